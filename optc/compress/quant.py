@@ -1,0 +1,198 @@
+"""Integer quantization primitives shared by RTN, GPTQ, AWQ and every exporter.
+
+Conventions (one representation everywhere, converted only at export time):
+
+- A weight ``W`` has shape ``[N, K]`` (out_features, in_features), as in ``nn.Linear``.
+- Integer codes ``q`` live in the *signed* domain ``[-2^(b-1), 2^(b-1) - 1]`` and the
+  zero point ``z`` is an integer in the same domain (``0`` for symmetric schemes).
+  Dequantization is ``W_hat = (q - z) * s``. GPTQ/AWQ formats store ``q + 2^(b-1)``;
+  compressed-tensors stores the signed values (offset by ``2^(b-1)`` when packed).
+- Groups run along the input dimension. ``G = ceil(K / g)`` groups; the last group may be
+  shorter when ``g`` does not divide ``K``. ``scale`` and ``zero`` have shape ``[N, G]``.
+  Per-channel quantization is ``group_size=None`` (``G = 1``).
+- ``g_idx[k]`` is the group of input column ``k``. It is ``k // g`` unless GPTQ's
+  act-order assigned groups in a permuted order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class QuantScheme(BaseModel):
+    """What grid a weight is quantized onto. Used directly as a recipe field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bits: int = Field(4, description="bits per weight, 2..8")
+    symmetric: bool = True
+    group_size: int | None = Field(
+        64, description="input columns per scale; null means one scale per output channel"
+    )
+
+    @field_validator("bits")
+    @classmethod
+    def _bits_range(cls, v: int) -> int:
+        if not 2 <= v <= 8:
+            raise ValueError(f"bits must be between 2 and 8, got {v}")
+        return v
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_positive(cls, v: int | None) -> int | None:
+        if v is not None and v != -1 and v <= 0:
+            raise ValueError(f"group_size must be positive (or null for per-channel), got {v}")
+        return None if v == -1 else v
+
+    @property
+    def qmin(self) -> int:
+        return -(2 ** (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def num_groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else math.ceil(in_features / self.group_size)
+
+    def label(self) -> str:
+        g = "channel" if self.group_size is None else f"g{self.group_size}"
+        return f"int{self.bits}-{'sym' if self.symmetric else 'asym'}-{g}"
+
+
+@dataclass
+class QuantParams:
+    """Solved quantization parameters of one Linear weight."""
+
+    scheme: QuantScheme
+    scale: torch.Tensor  # [N, G] float
+    zero: torch.Tensor  # [N, G] int32, signed domain
+    g_idx: torch.Tensor  # [K] int32
+
+    @property
+    def actorder(self) -> bool:
+        """True when groups are not contiguous runs of columns (GPTQ act-order)."""
+        k = self.g_idx.numel()
+        return not torch.equal(self.g_idx, default_g_idx(k, self.scheme).to(self.g_idx.device))
+
+
+def default_g_idx(in_features: int, scheme: QuantScheme) -> torch.Tensor:
+    if scheme.group_size is None:
+        return torch.zeros(in_features, dtype=torch.int32)
+    return torch.arange(in_features, dtype=torch.int32) // scheme.group_size
+
+
+def _grouped_minmax(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-(row, group) min and max, with 0 always inside the range ([N, G] each)."""
+    n, k = w.shape
+    if scheme.group_size is None:
+        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    else:
+        g = scheme.group_size
+        groups = math.ceil(k / g)
+        pad = groups * g - k
+        # Zero padding cannot change the result because 0 is forced into every range below.
+        wp = torch.nn.functional.pad(w, (0, pad)) if pad else w
+        wp = wp.reshape(n, groups, g)
+        lo, hi = wp.amin(dim=2), wp.amax(dim=2)
+    return lo.clamp(max=0), hi.clamp(min=0)
+
+
+def params_from_range(
+    lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and signed zero point for a [lo, hi] range containing 0."""
+    if scheme.symmetric:
+        amax = torch.maximum(-lo, hi)
+        # amax maps to (2^b - 1) / 2, the same grid as GPTQ's sym mode and compressed-tensors.
+        scale = amax / ((scheme.qmax - scheme.qmin) / 2)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = torch.zeros_like(scale, dtype=torch.int32)
+    else:
+        scale = (hi - lo) / (scheme.qmax - scheme.qmin)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = (scheme.qmin - torch.round(lo / scale)).clamp(scheme.qmin, scheme.qmax)
+        zero = zero.to(torch.int32)
+    return scale, zero
+
+
+def compute_qparams(
+    w: torch.Tensor, scheme: QuantScheme, clip: torch.Tensor | float = 1.0
+) -> QuantParams:
+    """Min-max parameters for ``w`` ([N, K]); ``clip`` shrinks each range (scalar or [N, G])."""
+    lo, hi = _grouped_minmax(w.float(), scheme)
+    scale, zero = params_from_range(lo * clip, hi * clip, scheme)
+    return QuantParams(scheme, scale, zero, default_g_idx(w.shape[1], scheme).to(w.device))
+
+
+def _expand(t: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
+    return t[:, g_idx.long()]
+
+
+def quantize(w: torch.Tensor, p: QuantParams) -> torch.Tensor:
+    """Integer codes (int8, signed domain) of ``w`` on the grid ``p``."""
+    s, z = _expand(p.scale, p.g_idx), _expand(p.zero, p.g_idx)
+    q = torch.round(w.float() / s) + z
+    return q.clamp(p.scheme.qmin, p.scheme.qmax).to(torch.int8)
+
+
+def dequantize(q: torch.Tensor, p: QuantParams, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    s, z = _expand(p.scale, p.g_idx), _expand(p.zero, p.g_idx)
+    return ((q.float() - z) * s).to(dtype)
+
+
+def fake_quantize(w: torch.Tensor, p: QuantParams) -> torch.Tensor:
+    """``dequantize(quantize(w))`` in ``w``'s dtype."""
+    return dequantize(quantize(w, p), p, w.dtype)
+
+
+def quantize_column(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme
+) -> torch.Tensor:
+    """Fake-quantize one or more columns given their per-row scale/zero ([N] or [N, c])."""
+    q = (torch.round(w / scale) + zero).clamp(scheme.qmin, scheme.qmax)
+    return (q - zero) * scale
+
+
+def mse_clip_search(
+    w: torch.Tensor,
+    scheme: QuantScheme,
+    grid: int = 100,
+    max_shrink: float = 0.8,
+    norm: float = 2.4,
+) -> QuantParams:
+    """Per-(row, group) range shrink that minimises ``sum |w - Q(w)|^norm``.
+
+    The same search as GPTQ's reference ``Quantizer(mse=True)`` (grid of shrink factors
+    ``1 - i/grid`` down to ``1 - max_shrink``, error norm 2.4), vectorised over groups.
+    """
+    w = w.float()
+    n, k = w.shape
+    lo, hi = _grouped_minmax(w, scheme)
+    g_idx = default_g_idx(k, scheme).to(w.device)
+    best_err = torch.full_like(lo, float("inf"))
+    best_scale, best_zero = params_from_range(lo, hi, scheme)
+    steps = int(max_shrink * grid)
+    for i in range(steps + 1):
+        p = 1.0 - i / grid
+        scale, zero = params_from_range(lo * p, hi * p, scheme)
+        err = (fake_quantize(w, QuantParams(scheme, scale, zero, g_idx)) - w).abs_().pow_(norm)
+        err_g = torch.zeros_like(lo).index_add_(1, g_idx.long(), err)
+        better = err_g < best_err
+        best_err = torch.where(better, err_g, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return QuantParams(scheme, best_scale, best_zero, g_idx)
+
+
+def choose_qparams(w: torch.Tensor, scheme: QuantScheme, observer: str = "minmax") -> QuantParams:
+    """Pick parameters for a whole weight with the named observer (``minmax`` or ``mse``)."""
+    if observer == "minmax":
+        return compute_qparams(w, scheme)
+    if observer == "mse":
+        return mse_clip_search(w, scheme)
+    raise ValueError(f"unknown weight observer {observer!r} (expected 'minmax' or 'mse')")
