@@ -1,0 +1,3 @@
+from optc.cli.main import main
+
+main()

@@ -1,0 +1,215 @@
+"""The sequential (layer-by-layer) calibration runner shared by every data-driven method.
+
+1. Capture the inputs of the first decoder layer for all calibration samples (the model runs
+   only up to that layer).
+2. For each layer: the solver calls :meth:`LayerStep.collect` to run the layer with forward
+   hooks on chosen Linears, feeding small accumulator objects (Hessians, norms, histograms,
+   samples); it then writes solved weights back. The runner re-runs the layer to produce the
+   next layer's inputs from the compressed weights, so later layers see the errors of earlier
+   ones.
+
+Only one layer's inputs and outputs are alive at a time, and on an accelerator only the layer
+being calibrated lives on the device.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from optc.calibrate.modules import find_decoder_layers, select_linears
+from optc.progress import NullProgress, Progress
+
+log = logging.getLogger(__name__)
+
+
+class Accumulator(Protocol):
+    def add(self, x: torch.Tensor) -> None: ...
+
+
+class _StopForward(Exception):
+    """Raised by the capture hook once the first layer's inputs are stored."""
+
+
+@contextmanager
+def input_hooks(
+    modules: Mapping[str, nn.Module], fn: Callable[[str, torch.Tensor], None]
+) -> Iterator[None]:
+    """Call ``fn(name, input)`` on each forward of each module; hooks always removed."""
+    handles = []
+    try:
+        for name, module in modules.items():
+            def hook(_mod: nn.Module, args: tuple, _out: Any, _name: str = name) -> None:
+                fn(_name, args[0].detach())
+
+            handles.append(module.register_forward_hook(hook))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@dataclass
+class _Batch:
+    hidden: torch.Tensor
+    args: tuple
+    kwargs: dict
+
+
+def _call_layer(layer: nn.Module, batch: _Batch) -> torch.Tensor:
+    out = layer(batch.hidden, *batch.args, **batch.kwargs)
+    return out[0] if isinstance(out, tuple) else out
+
+
+@contextmanager
+def _layers_detached(model: nn.Module, prefix: str) -> Iterator[nn.ModuleList]:
+    """Temporarily take the decoder stack out of the model (to move the rest to a device)."""
+    parent_name, _, attr = prefix.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    layers = getattr(parent, attr)
+    setattr(parent, attr, nn.ModuleList())
+    try:
+        yield layers
+    finally:
+        setattr(parent, attr, layers)
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, tuple):
+        return tuple(_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_to(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def capture_first_layer_inputs(
+    model: nn.Module, ids: torch.Tensor, batch_size: int, device: torch.device
+) -> list[_Batch]:
+    """Run the model on ``ids`` up to its first decoder layer and keep that layer's inputs."""
+    prefix, layers = find_decoder_layers(model)
+    batches: list[_Batch] = []
+
+    def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        rest = args[1:] if args else ()
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
+        kwargs["use_cache"] = False
+        batches.append(_Batch(hidden.detach(), rest, kwargs))
+        raise _StopForward
+
+    with _layers_detached(model, prefix) as detached:
+        model.to(device)
+    handle = layers[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
+    try:
+        layers[0].to(device)
+        for start in range(0, ids.shape[0], batch_size):
+            try:
+                model(ids[start : start + batch_size].to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+        layers[0].to("cpu")
+        del detached
+    return batches
+
+
+@dataclass
+class LayerStep:
+    """One decoder layer during calibration, handed to a solver."""
+
+    index: int
+    name: str
+    layer: nn.Module
+    linears: dict[str, nn.Module]  # full model names -> modules inside this layer
+    batches: list[_Batch]
+    forwards: int = field(default=0)
+
+    def collect(
+        self, names: list[str], make: Callable[[str, nn.Module], Accumulator]
+    ) -> dict[str, Accumulator]:
+        """Run the layer on every batch, feeding each named Linear's input to its accumulator."""
+        accs = {n: make(n, self.linears[n]) for n in names}
+        with input_hooks({n: self.linears[n] for n in names}, lambda n, x: accs[n].add(x)):
+            self.run(keep=False)
+        return accs
+
+    @torch.inference_mode()
+    def run(self, keep: bool = True) -> list[torch.Tensor]:
+        self.forwards += 1
+        outs = []
+        for b in self.batches:
+            out = _call_layer(self.layer, b)
+            if keep:
+                outs.append(out)
+        return outs
+
+
+Solver = Callable[[LayerStep], dict]
+
+
+def run_sequential(
+    model: nn.Module,
+    ids: torch.Tensor,
+    solve: Solver,
+    *,
+    targets: list[str],
+    ignore: list[str],
+    batch_size: int,
+    device: torch.device | str = "cpu",
+    propagate: bool = True,
+    progress: Progress | None = None,
+    description: str = "calibrating",
+) -> list[dict]:
+    """Calibrate ``model`` layer by layer on ``ids`` ([samples, seqlen]); returns per-layer stats.
+
+    ``propagate=False`` feeds each layer the float outputs of the previous layer instead of
+    the compressed ones (one forward per layer less; used by observers that do not change
+    weights).
+    """
+    device = torch.device(device)
+    progress = progress or NullProgress()
+    chosen = select_linears(model, targets, ignore)
+    prefix, layers = find_decoder_layers(model)
+    was_training = model.training
+    model.eval()
+    stats: list[dict] = []
+    with torch.inference_mode():
+        batches = capture_first_layer_inputs(model, ids, batch_size, device)
+    with progress.task(description, total=len(layers)) as advance:
+        for i, layer in enumerate(layers):
+            t0 = time.perf_counter()
+            name = f"{prefix}.{i}"
+            linears = {n: m for n, m in chosen.items() if n.startswith(name + ".")}
+            layer.to(device)
+            step = LayerStep(i, name, layer, linears, batches)
+            layer_stats: dict = {}
+            if linears:
+                outputs = None if propagate else step.run()
+                layer_stats = solve(step) or {}
+                if propagate:
+                    outputs = step.run()
+            else:
+                outputs = step.run()
+            for b, out in zip(batches, outputs):
+                b.hidden = out
+            layer.to("cpu")
+            layer_stats.update(layer=name, seconds=round(time.perf_counter() - t0, 3))
+            stats.append(layer_stats)
+            log.debug("layer %s done in %.2fs", name, layer_stats["seconds"])
+            advance()
+    with _layers_detached(model, prefix):
+        model.to("cpu")
+    model.train(was_training)
+    return stats

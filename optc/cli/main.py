@@ -1,0 +1,326 @@
+"""The ``optc`` command line: parse, load, call one library function, print with rich."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, SpinnerColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as RichProgressBar
+from rich.table import Table
+
+import optc
+from optc.errors import OptcError
+
+app = typer.Typer(
+    name="optc",
+    help="Compress Hugging Face causal LMs (RTN, GPTQ, AWQ, INT8, pruning) into checkpoints real runtimes load.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+recipes_app = typer.Typer(help="List, show and validate recipes.", invoke_without_command=True)
+app.add_typer(recipes_app, name="recipes")
+
+console = Console()
+err_console = Console(stderr=True)
+
+# Options shared by every command, with one meaning everywhere.
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="HF directory, hub id, .gguf file, or 'smollm2-135m' (default).")]
+OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (written atomically).")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
+DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", help="Calibration text: builtin, wikitext2, c4, or a .txt/.jsonl path.")]
+SamplesOpt = Annotated[Optional[int], typer.Option("--samples", help="Calibration samples.")]
+SeqlenOpt = Annotated[Optional[int], typer.Option("--seqlen", help="Tokens per calibration sample.")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed for sampling and any randomness.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, or auto.")]
+EvalDatasetOpt = Annotated[Optional[str], typer.Option("--eval-dataset", help="Evaluation text (never used for calibration).")]
+WindowsOpt = Annotated[Optional[int], typer.Option("--windows", help="Evaluate the first N windows only.")]
+NoEvalOpt = Annotated[bool, typer.Option("--no-eval", help="Skip perplexity evaluation.")]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repository.")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", help="Export format: dense or compressed-tensors.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        console.print(f"optc {optc.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress details.")] = False,
+) -> None:
+    logging.basicConfig(
+        level=logging.INFO if verbose else logging.WARNING,
+        format="%(message)s",
+        handlers=[RichHandler(console=err_console, show_path=False)],
+        force=True,
+    )
+    for noisy in ("transformers", "datasets", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+def handle_errors(fn: Callable) -> Callable:
+    """Turn user errors into one red line and exit code 1, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except OptcError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", soft_wrap=True, highlight=False)
+            raise typer.Exit(1) from None
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            err_console.print(f"[bold red]error:[/] {problems}", soft_wrap=True, highlight=False)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err_console.print("[bold red]interrupted[/]: no output was written")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+class RichProgress:
+    """rich progress bars for the library's :class:`optc.progress.Progress` protocol."""
+
+    @contextmanager
+    def task(self, description: str, total: int) -> Iterator[Callable[[], None]]:
+        columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
+        with RichProgressBar(*columns, console=err_console, transient=True) as bar:
+            tid = bar.add_task(description, total=total)
+            yield lambda: bar.advance(tid)
+
+
+def _print_report(report: dict, as_json: bool) -> None:
+    if as_json:
+        console.print_json(json.dumps(report, default=str))
+        return
+    metrics = report.get("metrics", {})
+    table = Table(title=f"optc report: {report['model']}")
+    table.add_column("model")
+    table.add_column("perplexity", justify="right")
+    table.add_column("95% CI", justify="right")
+    table.add_column("windows", justify="right")
+    for key, value in metrics.items():
+        if key.startswith("perplexity_"):
+            lo, hi = value["ci95"]
+            table.add_row(key.removeprefix("perplexity_"), f"{value['perplexity']:.3f}", f"[{lo:.2f}, {hi:.2f}]", f"{value['windows']} x {value['seqlen']}")
+    if table.row_count:
+        console.print(table)
+    if "perplexity_baseline" in metrics and "perplexity_compressed" in metrics:
+        b, c = metrics["perplexity_baseline"]["perplexity"], metrics["perplexity_compressed"]["perplexity"]
+        console.print(f"perplexity change: {100 * (c / b - 1):+.2f}%")
+    for st in report.get("stages", []):
+        console.print(f"stage [bold]{st['type']}[/] ({st['seconds']:.1f} s): {st['summary']}")
+    if metrics.get("parameters"):
+        console.print(f"parameters: {metrics['parameters']:,} ({metrics['nonzero']:,} non-zero)")
+    ck = report.get("checkpoint")
+    if ck:
+        console.print(f"wrote [bold]{ck['path']}[/] ({ck['format']}, {ck['bytes'] / 2**20:.1f} MiB): report.json, report.md, recipe.yaml")
+
+
+def _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt) -> dict:
+    return {
+        "model": model,
+        "calibration.dataset": dataset,
+        "calibration.samples": samples,
+        "calibration.seqlen": seqlen,
+        "calibration.seed": seed,
+        "evaluation.dataset": eval_dataset,
+        "evaluation.windows": windows,
+        "export.format": fmt,
+    }
+
+
+def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_remote_code, no_eval, as_json, stages: list | None = None) -> None:
+    from optc.pipeline import run_recipe
+    from optc.recipe import apply_overrides, parse_recipe, read_recipe_data, resolve_recipe
+
+    path = resolve_recipe(recipe_name)
+    data = read_recipe_data(path)
+    if not isinstance(data, dict):
+        raise OptcError(f"recipe {path}: expected a mapping at the top level")
+    if stages is not None:
+        data["stages"] = stages
+    if no_eval:
+        data["evaluation"] = None
+    recipe = parse_recipe(apply_overrides(data, overrides), str(path))
+    report = run_recipe(recipe, output, overwrite=overwrite, device=_device(device), trust_remote_code=trust_remote_code, progress=RichProgress())
+    _print_report(report, as_json)
+
+
+def _device(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise OptcError(f"unknown device {device!r} (expected cpu, cuda or auto)")
+    return device
+
+
+@app.command()
+@handle_errors
+def run(
+    recipe: Annotated[str, typer.Argument(help="Built-in recipe name or YAML path.")],
+    model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
+    dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
+    eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
+    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+) -> None:
+    """Run a whole multi-stage recipe: compress, evaluate, export, report."""
+    overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
+    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json)
+
+
+@app.command()
+@handle_errors
+def quantize(
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Built-in recipe name or YAML path.")] = "w4a16-rtn.yaml",
+    method: Annotated[Optional[str], typer.Option("--method", help="Override the quantization method (rtn, ...).")] = None,
+    bits: Annotated[Optional[int], typer.Option("--bits", help="Weight bits (2-8).")] = None,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", help="Input columns per scale.")] = None,
+    model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
+    dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
+    eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
+    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+) -> None:
+    """Quantize weights with a recipe (default: 4-bit round-to-nearest); flags override it."""
+    overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
+    overrides.update({"stages.0.type": method, "stages.0.scheme.bits": bits, "stages.0.scheme.group_size": group_size})
+    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json)
+
+
+@app.command()
+@handle_errors
+def prune(
+    recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Built-in recipe name or YAML path.")] = None,
+    method: Annotated[str, typer.Option("--method", help="Pruning score: magnitude.")] = "magnitude",
+    pattern: Annotated[Optional[str], typer.Option("--pattern", help="N:M pattern, e.g. 2:4.")] = None,
+    sparsity: Annotated[Optional[float], typer.Option("--sparsity", help="Unstructured sparsity in [0, 1).")] = None,
+    model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
+    dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
+    eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
+    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+) -> None:
+    """Prune weights: unstructured (--sparsity) or N:M (--pattern 2:4)."""
+    overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
+    stages = None
+    if recipe is None:
+        stage: dict[str, Any] = {"type": method}
+        if pattern is not None:
+            stage["pattern"] = pattern
+        if sparsity is not None:
+            stage["sparsity"] = sparsity
+        stages = [stage]
+    else:
+        overrides.update({"stages.0.type": method if method != "magnitude" else None, "stages.0.pattern": pattern, "stages.0.sparsity": sparsity})
+    _run(recipe or "prune-2of4-magnitude.yaml", overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, stages)
+
+
+@app.command("eval")
+@handle_errors
+def eval_(
+    model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory, hub id, .gguf file, or built-in name.")] = None,
+    baseline: Annotated[Optional[str], typer.Option("--baseline", help="Compare against this model.")] = None,
+    dataset: Annotated[str, typer.Option("--dataset", help="Evaluation text: builtin, wikitext2, c4, or a path.")] = "builtin",
+    seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per window.")] = 512,
+    windows: WindowsOpt = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride (default: seqlen).")] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward.")] = 1,
+    output: OutputOpt = None, overwrite: OverwriteOpt = False, as_json: JsonOpt = False,
+) -> None:
+    """Perplexity (with a 95% interval) of a model, optionally against a baseline."""
+    from optc.pipeline import evaluate_model
+
+    report = evaluate_model(model, dataset=dataset, seqlen=seqlen, windows=windows, stride=stride, batch_size=batch_size, baseline=baseline, output=output, overwrite=overwrite, progress=RichProgress())
+    _print_report(report, as_json)
+
+
+@app.command()
+@handle_errors
+def inspect(
+    path: Annotated[Path, typer.Argument(help="Checkpoint directory or .gguf file.")],
+    as_json: JsonOpt = False,
+) -> None:
+    """What a checkpoint holds: format, bits, group size, sparsity, size, parameters."""
+    from optc.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(path)
+    if as_json:
+        console.print_json(json.dumps(info))
+        return
+    table = Table(title=str(path), show_header=False)
+    for key, value in info.items():
+        if key == "bytes":
+            value = f"{value:,} ({value / 2**20:.1f} MiB)"
+        elif key == "parameters":
+            value = f"{value:,}"
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+@recipes_app.callback()
+def recipes_root(ctx: typer.Context) -> None:
+    """Without a subcommand: list the built-in recipes."""
+    if ctx.invoked_subcommand is None:
+        recipes_list()
+
+
+@recipes_app.command("list")
+@handle_errors
+def recipes_list() -> None:
+    """List the built-in recipes."""
+    from optc.recipe import builtin_recipes, load_recipe
+
+    table = Table(title="built-in recipes")
+    table.add_column("recipe")
+    table.add_column("stages")
+    table.add_column("description")
+    for name, path in sorted(builtin_recipes().items()):
+        r = load_recipe(str(path))
+        table.add_row(name, " -> ".join(s.type for s in r.stages) or "-", r.description)
+    console.print(table)
+
+
+@recipes_app.command("show")
+@handle_errors
+def recipes_show(name: Annotated[str, typer.Argument(help="Built-in recipe name or path.")]) -> None:
+    """Print a recipe as written."""
+    from optc.recipe import resolve_recipe
+
+    console.print(resolve_recipe(name).read_text(), highlight=False, markup=False)
+
+
+@recipes_app.command("validate")
+@handle_errors
+def recipes_validate(
+    names: Annotated[Optional[list[str]], typer.Argument(help="Recipe names or paths (default: all built-in).")] = None,
+) -> None:
+    """Validate recipes against the schema; exits non-zero on the first invalid one."""
+    from optc.recipe import builtin_recipes, load_recipe
+
+    for name in names or sorted(builtin_recipes()):
+        recipe = load_recipe(name)
+        console.print(f"[green]ok[/] {name}: {len(recipe.stages)} stage(s)")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

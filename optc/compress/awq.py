@@ -1,0 +1,338 @@
+"""AWQ (Lin et al., 2023, "AWQ: Activation-aware Weight Quantization for LLM Compression and
+Acceleration") as pure functions, plus the per-architecture scaling mappings kept as data.
+
+Section numbers refer to the paper. The search details (group-normalised ``w_mean``, duo
+scaling, ``s / sqrt(max * min)`` normalisation, per-group clip search) follow the authors'
+reference code as carried on by AutoAWQ and llm-compressor, so that our scales mean the same.
+
+Conventions: ``X`` is ``[T, K]`` (tokens, in_features), weights are ``[N, K]`` as in
+``nn.Linear``; groups run along ``K`` and the last one may be shorter (see ``quant``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from optc.calibrate.modules import weight_2d
+from optc.compress.quant import QuantScheme, compute_qparams, fake_quantize
+from optc.errors import OptcError
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# §3.2 scale search
+
+
+@dataclass
+class AWQScaleResult:
+    scale: torch.Tensor  # s [K] float32; all ones when no scaling beat the unscaled weights
+    ratio: float  # best alpha (0.0 when the unscaled weights won)
+    loss: float  # output MSE with the chosen s
+    loss_no_scale: float  # output MSE of plain RTN (s = 1)
+
+
+def _group_view(t: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """``[..., K]`` -> ``[..., G, g]``, zero-padding a short last group."""
+    k = t.shape[-1]
+    g = k if group_size is None else group_size
+    groups = math.ceil(k / g)
+    pad = groups * g - k
+    # Zero columns add nothing to abs-max, dot products or squared errors.
+    t = nn.functional.pad(t, (0, pad)) if pad else t
+    return t.reshape(*t.shape[:-1], groups, g)
+
+
+def _sse_fn(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``D -> sum((X D^T)^2)``: the squared output error of a weight error ``D`` on ``X``.
+
+    With more tokens than channels the Gram form ``sum((D H) * D)``, ``H = X^T X``, is the
+    same number at ``K/T`` of the cost (float32 agrees with a float64 reference to ~1e-7
+    relative, even with 300x outlier channels).
+    """
+    t, k = x.shape
+    if t <= k:
+        return lambda d: (x @ d.T).pow_(2).sum()
+    h = x.T @ x
+    return lambda d: ((d @ h) * d).sum()
+
+
+def awq_search_scale(
+    X: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    scheme: QuantScheme,
+    *,
+    grid: int = 20,
+    duo_scaling: bool = True,
+    x_mean: torch.Tensor | None = None,
+) -> AWQScaleResult:
+    """Per-input-channel scale ``s`` for Linears that share the input ``X`` (§3.2).
+
+    Searches ``s = x_mean^alpha / w_mean^(1 - alpha)`` (``duo_scaling``; else
+    ``x_mean^alpha``) over ``alpha = i / grid``, minimising
+    ``|| X W^T - (X / s) Q(W s)^T ||^2`` over all rows of all ``weights`` (concatenated, which
+    does not change the per-row groups). ``s = 1`` is always a candidate, so the result never
+    does worse than plain RTN on ``X``. ``x_mean`` (mean ``|X|`` per channel) may be passed
+    when it was accumulated over more tokens than the sample ``X``.
+    """
+    x = X.detach().reshape(-1, X.shape[-1]).float()
+    w = torch.cat([wi.detach().float().to(x.device) for wi in weights], dim=0)
+    n_tokens, n_rows = x.shape[0], w.shape[0]
+    if x_mean is None:
+        x_mean = x.abs().mean(dim=0)
+    x_mean = x_mean.float().to(x.device)
+    # w_mean: |W| normalised by each (row, group)'s max, then averaged over rows; the
+    # reference code's measure of how salient each input channel is to the weights.
+    aw = _group_view(w.abs(), scheme.group_size)
+    w_mean = (aw / (aw.amax(dim=-1, keepdim=True) + 1e-6)).flatten(1)[:, : w.shape[1]].mean(0)
+
+    sse = _sse_fn(x)
+    denom = n_tokens * n_rows
+
+    def loss_of(s: torch.Tensor) -> float:
+        # Q(W s) / s applied to X equals Q(W s) applied to X / s: one matmul per candidate.
+        ws = w * s
+        w_hat = fake_quantize(ws, compute_qparams(ws, scheme)) / s
+        return sse(w - w_hat).item() / denom
+
+    ones = torch.ones_like(x_mean)
+    loss_no_scale = loss_of(ones)
+    best = AWQScaleResult(ones, 0.0, loss_no_scale, loss_no_scale)
+    for i in range(grid):
+        alpha = i / grid
+        if duo_scaling:
+            s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
+        else:
+            s = x_mean.pow(alpha).clamp(min=1e-4)
+        # Centre s in log space so neither the weights nor the folded norm blow up.
+        s = s / (s.max() * s.min()).sqrt()
+        s = torch.where(torch.isfinite(s), s, ones)
+        loss = loss_of(s)
+        if loss < best.loss:
+            best = AWQScaleResult(s, alpha, loss, loss_no_scale)
+    log.debug("awq scale: alpha=%.2f loss %.4g (rtn %.4g)", best.ratio, best.loss, loss_no_scale)
+    return best
+
+
+# --------------------------------------------------------------------------------------------
+# Weight clipping (the reference code's ``auto_clip``)
+
+
+def awq_search_clip(
+    X: torch.Tensor,
+    W: torch.Tensor,
+    scheme: QuantScheme,
+    *,
+    grid: int = 20,
+    max_shrink: float = 0.5,
+    n_tokens: int | None = 512,
+) -> torch.Tensor:
+    """Per-(row, group) range shrink ``[N, G]`` for ``compute_qparams(W, scheme, clip=...)``.
+
+    For each group the error measured is that of the group's own contribution to the output,
+    ``X_g W_g^T`` versus ``X_g Q(W_g)^T`` (AutoAWQ ``_compute_best_clip``), over shrink
+    factors ``1 - i/grid`` for ``i < max_shrink * grid``. ``X`` is strided down to about
+    ``n_tokens`` rows as in the reference (``None`` keeps all). Pass the already-scaled
+    ``W * s`` and ``X / s`` when clipping after :func:`awq_search_scale`.
+    """
+    x = X.detach().reshape(-1, X.shape[-1]).float()
+    w = W.detach().float().to(x.device)
+    if n_tokens is not None:
+        x = x[:: max(1, x.shape[0] // n_tokens)]
+    # Per-group Gram matrices make every candidate cost N*K*g instead of T*N*K.
+    xg = _group_view(x, scheme.group_size).transpose(0, 1)  # [G, T, g]
+    h = xg.transpose(1, 2) @ xg  # [G, g, g]
+
+    def group_err(clip: float) -> torch.Tensor:
+        d = w - fake_quantize(w, compute_qparams(w, scheme, clip=clip))
+        dg = _group_view(d, scheme.group_size).transpose(0, 1)  # [G, N, g]
+        return ((dg @ h) * dg).sum(-1).T  # [N, G]
+
+    best_err = group_err(1.0)
+    best_clip = torch.ones_like(best_err)
+    for i in range(1, int(max_shrink * grid)):
+        p = 1.0 - i / grid
+        err = group_err(p)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_clip = torch.where(better, torch.full_like(best_clip, p), best_clip)
+    return best_clip
+
+
+# --------------------------------------------------------------------------------------------
+# Mappings: which preceding module can absorb 1/s for which Linears (§3.2, "fuse the scale")
+
+
+@dataclass(frozen=True)
+class MappingSpec:
+    """Regexes (``re.fullmatch`` on names relative to a decoder layer)."""
+
+    prev: str
+    linears: tuple[str, ...]
+    # (layer, prev, linears) -> whether folding is valid for this instance.
+    condition: Callable[[nn.Module, nn.Module, list[nn.Module]], bool] | None = None
+
+
+@dataclass(frozen=True)
+class ArchMappings:
+    name: str
+    specs: tuple[MappingSpec, ...]
+
+
+@dataclass
+class Mapping:
+    """One resolved mapping: ``prev``'s output is the shared input of ``linears``."""
+
+    prev_name: str
+    prev: nn.Module
+    linear_names: list[str]
+    linears: list[nn.Module]
+
+
+def _out_features(m: nn.Module) -> int:
+    return weight_2d(m).shape[0] if m.weight.dim() == 2 else m.weight.numel()
+
+
+def _prev_feeds_linears(_layer: nn.Module, prev: nn.Module, linears: list[nn.Module]) -> bool:
+    # v_proj -> o_proj under GQA: v has fewer outputs than o has inputs (heads are repeated),
+    # so one s per v output cannot be folded exactly.
+    return all(weight_2d(lin).shape[1] == _out_features(prev) for lin in linears)
+
+
+def _norm_before(layer: nn.Module, _prev: nn.Module, _linears: list[nn.Module]) -> bool:
+    # OPT-350m is post-LN: its layer norms do not feed the projections they are named after.
+    return bool(getattr(layer, "do_layer_norm_before", True))
+
+
+_QKV = (r"self_attn\.q_proj", r"self_attn\.k_proj", r"self_attn\.v_proj")
+
+AWQ_MAPPINGS: tuple[ArchMappings, ...] = (
+    # Llama, Qwen2, Mistral (and other Llama-layout models).
+    ArchMappings("llama", (
+        MappingSpec(r"input_layernorm", _QKV),
+        MappingSpec(r"self_attn\.v_proj", (r"self_attn\.o_proj",), _prev_feeds_linears),
+        MappingSpec(r"post_attention_layernorm", (r"mlp\.gate_proj", r"mlp\.up_proj")),
+        # act(gate) * up is linear in up, so up's outputs can absorb 1/s.
+        MappingSpec(r"mlp\.up_proj", (r"mlp\.down_proj",)),
+    )),
+    ArchMappings("opt", (
+        MappingSpec(r"self_attn_layer_norm", _QKV, _norm_before),
+        MappingSpec(r"self_attn\.v_proj", (r"self_attn\.out_proj",), _prev_feeds_linears),
+        MappingSpec(r"final_layer_norm", (r"fc1",), _norm_before),
+        # ReLU(x / s) = ReLU(x) / s for s > 0 (positive homogeneity).
+        MappingSpec(r"fc1", (r"fc2",)),
+    )),
+    # GPT-2: c_fc -> c_proj is absent because GELU is not positively homogeneous.
+    ArchMappings("gpt2", (
+        MappingSpec(r"ln_1", (r"attn\.c_attn",)),
+        MappingSpec(r"ln_2", (r"mlp\.c_fc",)),
+    )),
+)
+
+
+def _match(names: list[str], pattern: str) -> list[str]:
+    return [n for n in names if re.fullmatch(pattern, n)]
+
+
+def resolve_mappings(
+    layer: nn.Module, table: Sequence[ArchMappings] = AWQ_MAPPINGS
+) -> list[Mapping]:
+    """The mappings of the first ``table`` entry whose patterns all match ``layer``'s modules."""
+    names = [n for n, _ in layer.named_modules() if n]
+    for arch in table:
+        patterns = [p for spec in arch.specs for p in (spec.prev, *spec.linears)]
+        if not all(_match(names, p) for p in patterns):
+            continue
+        out = []
+        for spec in arch.specs:
+            (prev_name, *extra) = _match(names, spec.prev)
+            if extra:
+                raise OptcError(f"AWQ mapping pattern {spec.prev!r} matches several modules")
+            linear_names = [n for p in spec.linears for n in _match(names, p)]
+            prev = layer.get_submodule(prev_name)
+            linears = [layer.get_submodule(n) for n in linear_names]
+            if spec.condition is not None and not spec.condition(layer, prev, linears):
+                log.debug("awq: skip %s -> %s (%s)", prev_name, linear_names, arch.name)
+                continue
+            out.append(Mapping(prev_name, prev, linear_names, linears))
+        return out
+    raise OptcError(
+        f"AWQ does not know how to scale decoder layer {type(layer).__name__}: "
+        f"supported layouts are {', '.join(a.name for a in table)}"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Folding s into the model (§3.2: s is fused into the previous operator, so inference is free)
+
+
+def _is_norm(m: nn.Module, k: int) -> bool:
+    w = getattr(m, "weight", None)
+    return (
+        isinstance(w, torch.Tensor) and w.dim() == 1 and w.numel() == k
+        and all(p.dim() <= 1 for p in m.parameters(recurse=False))
+    )
+
+
+def _rescale_(t: torch.Tensor, factor: torch.Tensor) -> None:
+    # In float32 then back, so half-precision weights round only once.
+    t.copy_((t.float() * factor.to(t.device)).to(t.dtype))
+
+
+@torch.no_grad()
+def _fold_into_norm(norm: nn.Module, s: torch.Tensor) -> None:
+    w = norm.weight
+    saved = [p.detach().clone() for p in norm.parameters(recurse=False)]
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn(4, w.numel(), generator=gen).to(w.device, w.dtype)
+    before = norm(probe).float()
+    for p in norm.parameters(recurse=False):
+        _rescale_(p, 1.0 / s)
+    after = norm(probe).float() * s.to(w.device)
+    # The shape test cannot tell y = x*w from e.g. Gemma's y = x*(1 + w); the probe can.
+    if not torch.allclose(after, before, rtol=1e-2, atol=1e-2 * before.abs().max().item()):
+        for p, old in zip(norm.parameters(recurse=False), saved):
+            p.copy_(old)
+        raise OptcError(
+            f"AWQ cannot fold scales into {type(norm).__name__}: its output is not "
+            f"proportional to its weight"
+        )
+
+
+@torch.no_grad()
+def apply_scale(prev: nn.Module, linears: Sequence[nn.Module], s: torch.Tensor) -> None:
+    """Divide ``prev``'s outputs by ``s`` and multiply ``s`` into ``linears``' input columns.
+
+    ``prev`` is a norm (1-D ``weight`` of size K; weight and bias scaled), a Linear (rows of
+    weight and bias) or a Conv1D (columns). The float function of the layer is unchanged up
+    to rounding, provided whatever lies between ``prev`` and ``linears`` commutes with a
+    positive per-channel scale.
+    """
+    s = s.detach().float()
+    if not (torch.isfinite(s).all() and (s > 0).all()):
+        raise ValueError("AWQ scales must be finite and positive")
+    k = s.numel()
+    for lin in linears:
+        if weight_2d(lin).shape[1] != k:
+            raise OptcError(f"{type(lin).__name__} has {weight_2d(lin).shape[1]} inputs, s has {k}")
+    if isinstance(prev, Conv1D):
+        _rescale_(prev.weight, 1.0 / s[None, :])
+        _rescale_(prev.bias, 1.0 / s)
+    elif isinstance(getattr(prev, "weight", None), torch.Tensor) and prev.weight.dim() == 2:
+        _rescale_(prev.weight, 1.0 / s[:, None])
+        if prev.bias is not None:
+            _rescale_(prev.bias, 1.0 / s)
+    elif _is_norm(prev, k):
+        _fold_into_norm(prev, s)
+    else:
+        raise OptcError(f"AWQ cannot fold scales into {type(prev).__name__}")
+    for lin in linears:
+        _rescale_(lin.weight, s[:, None] if isinstance(lin, Conv1D) else s[None, :])

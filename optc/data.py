@@ -1,0 +1,180 @@
+"""Text sources for calibration and evaluation, and their tokenization.
+
+A dataset is named by a string:
+
+- ``builtin``: an offline corpus that ships with Python itself (the stdlib's pydoc topic
+  texts), so a fresh machine with no data and no network can still calibrate and evaluate.
+  Its calibration and evaluation parts are disjoint topics.
+- ``wikitext2`` / ``c4``: Hugging Face datasets, only where a network (or a local HF cache)
+  exists. Calibration uses the train split, evaluation the test (wikitext2) or validation (c4).
+- a path to a ``.txt`` file (used whole) or a ``.jsonl`` file (the ``text`` field of each line).
+
+Calibration never reads evaluation text: the named sources split by role, and a local file
+used for both roles is refused by :func:`check_disjoint`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from optc.errors import OptcError
+
+log = logging.getLogger(__name__)
+
+Role = Literal["calibration", "evaluation"]
+NAMED = ("builtin", "wikitext2", "c4")
+# Share of pydoc topics used for calibration; the rest is held out for evaluation.
+_BUILTIN_CALIB_SHARE = 0.75
+
+
+def _builtin_text(role: Role) -> str:
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    cut = int(len(keys) * _BUILTIN_CALIB_SHARE)
+    chosen = keys[:cut] if role == "calibration" else keys[cut:]
+    return "\n\n".join(topics[k] for k in chosen)
+
+
+def _hf_text(name: str, role: Role) -> str:
+    try:
+        from datasets import load_dataset
+
+        if name == "wikitext2":
+            split = "train" if role == "calibration" else "test"
+            ds = load_dataset("wikitext", "wikitext-2-raw-v1", split=split)
+            return "\n\n".join(ds["text"])
+        # c4 is huge: one shard of each split, as the GPTQ paper's calibration does.
+        split, shard = (
+            ("train", "en/c4-train.00000-of-01024.json.gz")
+            if role == "calibration"
+            else ("validation", "en/c4-validation.00000-of-00008.json.gz")
+        )
+        ds = load_dataset("allenai/c4", data_files={split: shard}, split=split)
+        return "\n\n".join(ds["text"][:20000])
+    except (OSError, ConnectionError, ValueError) as exc:
+        raise OptcError(
+            f"dataset {name!r} could not be loaded (it needs network access or a local "
+            f"Hugging Face cache): {exc}. Use 'builtin' or a local .txt/.jsonl file instead."
+        ) from exc
+
+
+def _file_text(path: Path) -> str:
+    if not path.is_file():
+        raise OptcError(f"dataset file not found: {path}")
+    if path.suffix == ".jsonl":
+        texts = []
+        with path.open(encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise OptcError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise OptcError(f"{path}:{lineno}: expected an object with a 'text' string")
+                texts.append(record["text"])
+        return "\n\n".join(texts)
+    return path.read_text(encoding="utf-8")
+
+
+def load_text(dataset: str, role: Role) -> str:
+    """The raw text of ``dataset`` for ``role``."""
+    if dataset == "builtin":
+        text = _builtin_text(role)
+    elif dataset in NAMED:
+        text = _hf_text(dataset, role)
+    else:
+        text = _file_text(Path(dataset).expanduser())
+    if not text.strip():
+        raise OptcError(f"dataset {dataset!r} is empty")
+    return text
+
+
+def check_disjoint(calibration: str, evaluation: str) -> None:
+    """Refuse calibrating on the evaluation text (named sources already split by role)."""
+    if calibration in NAMED or evaluation in NAMED:
+        return
+    a, b = Path(calibration).expanduser(), Path(evaluation).expanduser()
+    if a.exists() and b.exists() and a.resolve() == b.resolve():
+        raise OptcError(
+            f"calibration and evaluation use the same file ({a}): calibrating on evaluation "
+            "text makes the reported accuracy meaningless"
+        )
+
+
+def _tokenizer_key(tokenizer) -> str:
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items())).encode()).hexdigest()
+    return f"{type(tokenizer).__name__}-{len(vocab)}-{digest[:16]}"
+
+
+def tokenize(text: str, tokenizer) -> torch.Tensor:
+    """Token ids of the whole text as one 1-D tensor (no special tokens)."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def calibration_samples(
+    tokenizer,
+    dataset: str,
+    samples: int,
+    seqlen: int,
+    seed: int = 0,
+    sampling: Literal["first", "random"] = "first",
+) -> torch.Tensor:
+    """``[samples, seqlen]`` token ids: non-overlapping chunks of the tokenized text.
+
+    ``first`` takes the first chunks in order (the fixed benchmark protocol); ``random``
+    draws distinct chunks with a seeded generator. Both are deterministic.
+    """
+    if samples <= 0 or seqlen <= 0:
+        raise OptcError(f"samples and seqlen must be positive (got {samples} and {seqlen})")
+    ids = tokenize(load_text(dataset, "calibration"), tokenizer)
+    available = ids.numel() // seqlen
+    if available < samples:
+        raise OptcError(
+            f"calibration dataset {dataset!r} has {ids.numel()} tokens: {available} chunks of "
+            f"{seqlen}, fewer than the {samples} samples requested; lower --samples or --seqlen"
+        )
+    chunks = ids[: available * seqlen].view(available, seqlen)
+    if sampling == "first":
+        return chunks[:samples].clone()
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(available, generator=g)[:samples]
+    return chunks[order.sort().values].clone()
+
+
+def evaluation_tokens(tokenizer, dataset: str) -> torch.Tensor:
+    """The evaluation text tokenized whole (1-D)."""
+    return tokenize(load_text(dataset, "evaluation"), tokenizer)
+
+
+class CalibrationConfig(BaseModel):
+    """Which text calibrates data-driven stages, and how much of it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str = Field("builtin", description="builtin, wikitext2, c4, or a .txt/.jsonl path")
+    samples: int = Field(128, gt=0)
+    seqlen: int = Field(512, gt=0)
+    seed: int = 0
+    sampling: Literal["first", "random"] = "first"
+    batch_size: int | None = Field(None, gt=0, description="samples per forward; auto if null")
+
+    def resolved_batch_size(self) -> int:
+        # About 8k tokens per forward keeps CPU matmuls efficient and activations small.
+        return self.batch_size or max(1, min(self.samples, 8192 // self.seqlen))
+
+    def token_ids(self, tokenizer) -> torch.Tensor:
+        return calibration_samples(
+            tokenizer, self.dataset, self.samples, self.seqlen, self.seed, self.sampling
+        )

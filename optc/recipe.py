@@ -1,0 +1,163 @@
+"""Versioned YAML recipes: schema, loading (by built-in name or path), validation, dumping."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from optc.data import CalibrationConfig
+from optc.errors import OptcError
+from optc.stages import STAGES
+
+RECIPE_VERSION = 1
+EXPORT_FORMATS = ("dense", "compressed-tensors")
+
+StageConfig = Annotated[
+    Union[tuple(cfg for cfg, _ in STAGES.values())],  # noqa: UP007 - built from the registry
+    Field(discriminator="type"),
+]
+
+
+class EvaluationConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str = "builtin"
+    seqlen: int = Field(512, gt=0)
+    windows: int | None = Field(16, gt=0, description="first N windows; null means all")
+    stride: int | None = Field(None, gt=0)
+    batch_size: int = Field(1, gt=0)
+    baseline: bool = Field(True, description="also evaluate the uncompressed model")
+
+
+class ExportConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["dense", "compressed-tensors"] = "dense"
+    max_shard_size: str = "2GB"
+
+
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: Literal[1]
+    name: str = "custom"
+    description: str = ""
+    model: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    calibration: CalibrationConfig = Field(default_factory=CalibrationConfig)
+    stages: list[StageConfig] = Field(default_factory=list)
+    evaluation: EvaluationConfig | None = Field(default_factory=EvaluationConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
+
+    def to_yaml(self) -> str:
+        data = self.model_dump(mode="json", exclude_none=False)
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+def builtin_recipes() -> dict[str, Path]:
+    root = resources.files("optc.recipes")
+    return {p.name: Path(str(p)) for p in root.iterdir() if p.name.endswith(".yaml")}
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    """A path that exists wins; otherwise a built-in recipe by name (``.yaml`` optional)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise OptcError(f"recipe {name_or_path!r} is a directory, not a YAML file")
+    builtins = builtin_recipes()
+    key = name_or_path if name_or_path.endswith(".yaml") else f"{name_or_path}.yaml"
+    if key in builtins:
+        return builtins[key]
+    raise OptcError(
+        f"unknown recipe {name_or_path!r}: not a file and not a built-in recipe "
+        f"(built-in: {', '.join(sorted(builtins))})"
+    )
+
+
+def _loc(loc: tuple) -> str:
+    # Drop pydantic's discriminator tags (the stage type) from locations like stages.0.rtn.x.
+    parts = [str(p) for p in loc if not (isinstance(p, str) and p in STAGES)]
+    return ".".join(parts) or "(top level)"
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    problems = []
+    for err in exc.errors():
+        where = _loc(err["loc"])
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown field (not part of the recipe schema)"
+        elif err["type"] == "union_tag_invalid":
+            msg = f"unknown stage type {err['input'].get('type')!r} (known: {', '.join(STAGES)})"
+        elif err["type"] == "union_tag_not_found":
+            msg = f"stage needs a 'type' (one of: {', '.join(STAGES)})"
+        elif "input" in err and not isinstance(err["input"], dict | list):
+            msg = f"{msg} (got {err['input']!r})"
+        problems.append(f"{where}: {msg}")
+    return f"recipe {source}: " + "; ".join(problems)
+
+
+def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
+    if not isinstance(data, dict):
+        raise OptcError(f"recipe {source}: expected a mapping at the top level, got {type(data).__name__}")
+    if "version" not in data:
+        raise OptcError(f"recipe {source}: version: missing (this optc reads version: {RECIPE_VERSION})")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise OptcError(format_validation_error(exc, source)) from None
+    except ValueError as exc:  # raised by validators outside pydantic's error wrapping
+        raise OptcError(f"recipe {source}: {exc}") from None
+
+
+def read_recipe_data(path: Path) -> Any:
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise OptcError(f"recipe {path}: malformed YAML at{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OptcError(f"recipe {path}: cannot read ({exc})") from None
+
+
+def load_recipe(name_or_path: str, overrides: dict[str, Any] | None = None) -> Recipe:
+    """Load and validate a recipe; ``overrides`` are dotted keys (``calibration.samples``)."""
+    path = resolve_recipe(name_or_path)
+    data = read_recipe_data(path)
+    if overrides and isinstance(data, dict):
+        data = apply_overrides(data, overrides)
+    return parse_recipe(data, str(path.name if path.parent == _builtin_root() else path))
+
+
+def _builtin_root() -> Path:
+    return Path(str(resources.files("optc.recipes")))
+
+
+def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
+    """Set dotted keys in a plain recipe mapping; ``None`` values are skipped."""
+    data = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if isinstance(node, list):
+                node = node[int(part)]
+            else:
+                if not isinstance(node.get(part), dict | list):
+                    node[part] = {}
+                node = node[part]
+        if isinstance(node, list):
+            node[int(parts[-1])] = value
+        else:
+            node[parts[-1]] = value
+    return data
