@@ -16,9 +16,20 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from optc.calibrate.hessian import HessianAccumulator
 from optc.calibrate.modules import check_patterns, select_linears, set_weight_2d, weight_2d
+from optc.calibrate.sequential import LayerStep, run_sequential
+from optc.calibrate.stats import InputSampler
+from optc.compress.awq import apply_scale, awq_search_clip, awq_search_scale, resolve_mappings
+from optc.compress.gptq import gptq_quantize
 from optc.compress.masks import nm_mask, parse_pattern, unstructured_mask
-from optc.compress.quant import QuantParams, QuantScheme, choose_qparams, fake_quantize
+from optc.compress.quant import (
+    QuantParams,
+    QuantScheme,
+    choose_qparams,
+    compute_qparams,
+    fake_quantize,
+)
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
 from optc.progress import NullProgress, Progress
@@ -91,7 +102,7 @@ def _relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
 
 
 def _record_quantized(ws: Workspace, name: str, module: torch.nn.Module, w_hat, p) -> dict:
-    w = weight_2d(module)
+    w = weight_2d(module).detach()
     err = _relative_error(w, w_hat)
     set_weight_2d(module, w_hat)
     ws.qparams[name] = p
@@ -120,6 +131,112 @@ def run_rtn(ws: Workspace, cfg: RTNStage) -> dict:
                 per_module[name] = _record_quantized(ws, name, module, fake_quantize(w, p), p)
             advance()
     return {"modules": per_module}
+
+
+# --- GPTQ --------------------------------------------------------------------------------
+
+
+class GPTQStage(_WeightQuantStage):
+    """GPTQ (Frantar et al. 2022): Hessian-aware rounding with error propagation."""
+
+    type: Literal["gptq"]
+    block_size: int = Field(128, gt=0)
+    dampening: float = Field(0.01, gt=0, description="fraction of mean diag(H) added to H")
+    actorder: bool = Field(True, description="quantize columns by decreasing Hessian diagonal")
+    static_groups: bool = Field(False, description="fix group grids before act-order")
+    observer: Literal["minmax", "mse"] = "mse"
+
+
+def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
+    per_module: dict[str, dict] = {}
+
+    def solve(step: LayerStep) -> dict:
+        names = [n for n in step.linears if cfg.scheme_for(n) is not None]
+        accs = step.collect(names, lambda n, m: HessianAccumulator(weight_2d(m).shape[1]))
+        for name in names:
+            module = step.linears[name]
+            res = gptq_quantize(
+                weight_2d(module).detach(), accs[name].H, cfg.scheme_for(name),
+                block_size=cfg.block_size, dampening=cfg.dampening, actorder=cfg.actorder,
+                static_groups=cfg.static_groups, observer=cfg.observer, name=name,
+            )
+            stats = _record_quantized(ws, name, module, res.weight, res.params)
+            per_module[name] = {**stats, "gptq_loss": round(res.loss, 6)}
+        return {}
+
+    layers = _run_calibration(ws, cfg, solve, "gptq")
+    return {"modules": per_module, "layers": layers}
+
+
+# --- AWQ ---------------------------------------------------------------------------------
+
+
+class AWQStage(_WeightQuantStage):
+    """AWQ (Lin et al. 2023): activation-aware per-channel scales, then quantization."""
+
+    type: Literal["awq"]
+    grid: int = Field(20, gt=0, description="alpha values tried in [0, 1)")
+    duo_scaling: bool = True
+    clip: bool = Field(True, description="search a weight clipping ratio per group")
+    sample_tokens: int = Field(8192, gt=0, description="token rows kept per input for the search")
+    observer: Literal["minmax", "mse"] = "minmax"
+
+
+def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
+    per_module: dict[str, dict] = {}
+
+    def solve(step: LayerStep) -> dict:
+        mappings = resolve_mappings(step.layer)
+        full = {m.prev_name: [f"{step.name}.{n}" for n in m.linear_names] for m in mappings}
+        names = sorted({n for group in full.values() for n in group} | set(step.linears))
+        names = [n for n in names if n in step.linears and cfg.scheme_for(n) is not None]
+        total = step.tokens
+        accs = step.collect(
+            names,
+            lambda n, m: InputSampler(weight_2d(m).shape[1], total, cfg.sample_tokens, ws.calibration.seed),
+        )
+        scales: dict[str, torch.Tensor] = {}
+        for m in mappings:
+            group = [n for n in full[m.prev_name] if n in accs]
+            if len(group) != len(m.linears):
+                continue  # some of these Linears stay float: scaling would not pay off
+            scheme = cfg.scheme_for(group[0])
+            if any(cfg.scheme_for(n) != scheme for n in group):
+                continue
+            acc = accs[group[0]]
+            res = awq_search_scale(
+                acc.sample, [weight_2d(step.linears[n]).detach() for n in group], scheme,
+                grid=cfg.grid, duo_scaling=cfg.duo_scaling, x_mean=acc.mean_abs,
+            )
+            apply_scale(m.prev, m.linears, res.scale)
+            for n in group:
+                scales[n] = res.scale
+        for name in names:
+            module = step.linears[name]
+            scheme = cfg.scheme_for(name)
+            w = weight_2d(module).detach()
+            clip: torch.Tensor | float = 1.0
+            # Clipping q/k distorts attention logits more than it saves (as in AutoAWQ).
+            if cfg.clip and not re.search(r"(q_proj|k_proj|c_attn)$", name):
+                x = accs[name].sample
+                if name in scales:
+                    x = x / scales[name]
+                clip = awq_search_clip(x, w, scheme)
+            p = compute_qparams(w, scheme, clip=clip)
+            per_module[name] = _record_quantized(ws, name, module, fake_quantize(w, p), p)
+        return {}
+
+    layers = _run_calibration(ws, cfg, solve, "awq")
+    return {"modules": per_module, "layers": layers}
+
+
+def _run_calibration(ws: Workspace, cfg: _Stage, solve, description: str) -> list[dict]:
+    return run_sequential(
+        ws.model, ws.calibration_ids(), solve,
+        targets=cfg.targets, ignore=cfg.ignore,
+        batch_size=ws.calibration.resolved_batch_size(), device=ws.device,
+        progress=ws.progress, description=description,
+    )
 
 
 # --- magnitude pruning -------------------------------------------------------------------
@@ -179,8 +296,10 @@ StageFn = Callable[[Workspace, BaseModel], dict]
 # The one registry: recipe stage ``type`` -> (config model, function).
 STAGES: dict[str, tuple[type[BaseModel], StageFn]] = {
     "rtn": (RTNStage, run_rtn),
+    "gptq": (GPTQStage, run_gptq),
+    "awq": (AWQStage, run_awq),
     "magnitude": (MagnitudeStage, run_magnitude),
 }
 
-QUANT_STAGES = {"rtn"}
+QUANT_STAGES = {"rtn", "gptq", "awq"}
 PRUNE_STAGES = {"magnitude"}

@@ -136,14 +136,41 @@ class LayerStep:
     batches: list[_Batch]
     forwards: int = field(default=0)
 
+    @property
+    def tokens(self) -> int:
+        return sum(b.hidden.shape[0] * b.hidden.shape[1] for b in self.batches)
+
     def collect(
         self, names: list[str], make: Callable[[str, nn.Module], Accumulator]
     ) -> dict[str, Accumulator]:
-        """Run the layer on every batch, feeding each named Linear's input to its accumulator."""
-        accs = {n: make(n, self.linears[n]) for n in names}
-        with input_hooks({n: self.linears[n] for n in names}, lambda n, x: accs[n].add(x)):
-            self.run(keep=False)
-        return accs
+        """Run the layer on every batch, feeding each named Linear's input to its accumulator.
+
+        Linears that receive the very same input tensor (q/k/v after one norm, gate/up) share
+        one accumulator, so each distinct input is reduced once.
+        """
+        accs: dict[str, Accumulator] = {}
+        alias: dict[str, str] = {}
+        seen: list[tuple[torch.Tensor, str]] = []  # inputs of this batch, kept alive
+
+        def feed(name: str, x: torch.Tensor) -> None:
+            if name not in accs and name not in alias:
+                # Identity (not address) comparison: the list keeps each input alive for the
+                # whole batch, so a freed tensor's memory cannot be mistaken for a shared input.
+                twin = next((n for t, n in seen if t is x), None)
+                if twin is not None:
+                    alias[name] = twin
+                else:
+                    accs[name] = make(name, self.linears[name])
+            seen.append((x, name))
+            if name in accs:
+                accs[name].add(x)
+
+        self.forwards += 1
+        with torch.inference_mode(), input_hooks({n: self.linears[n] for n in names}, feed):
+            for b in self.batches:
+                _call_layer(self.layer, b)
+                seen.clear()
+        return {**accs, **{n: accs[a] for n, a in alias.items()}}
 
     @torch.inference_mode()
     def run(self, keep: bool = True) -> list[torch.Tensor]:

@@ -1,0 +1,40 @@
+"""Small activation accumulators fed by the sequential runner's hooks."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class InputSampler:
+    """Per-channel mean |x| over every token, plus a fixed-size, seeded sample of token rows.
+
+    AWQ needs the mean magnitude of each input channel (over all data) and real rows to
+    measure quantized output error on; a bounded sample keeps that memory independent of the
+    calibration set size.
+    """
+
+    def __init__(self, in_features: int, total_tokens: int, max_tokens: int, seed: int = 0) -> None:
+        self.in_features = in_features
+        self.keep_fraction = min(1.0, max_tokens / max(1, total_tokens))
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
+        self.count = 0
+        self.rows: list[torch.Tensor] = []
+        self._gen = torch.Generator().manual_seed(seed)
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, self.in_features).float()
+        self.abs_sum += x.abs().sum(dim=0).double().cpu()
+        self.count += x.shape[0]
+        k = max(1, math.ceil(x.shape[0] * self.keep_fraction))
+        idx = torch.randperm(x.shape[0], generator=self._gen)[:k].sort().values
+        self.rows.append(x[idx.to(x.device)].clone())
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abs_sum / max(1, self.count)).float()
+
+    @property
+    def sample(self) -> torch.Tensor:
+        return torch.cat(self.rows)
