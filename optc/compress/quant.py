@@ -158,35 +158,50 @@ def quantize_column(
     return (q - zero) * scale
 
 
+def _shrink_errors(
+    w3: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch.Tensor, scheme: QuantScheme, norm: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Error, scale and zero of each candidate shrink ``p`` ([N, G, P]) per (row, group)."""
+    scale, zero = params_from_range(lo[..., None] * p, hi[..., None] * p, scheme)
+    s4, z4 = scale[..., None], zero[..., None].float()
+    q = (torch.round(w3 / s4) + z4).clamp_(scheme.qmin, scheme.qmax)
+    err = ((q - z4) * s4 - w3).abs_().pow_(norm).sum(dim=-1)
+    return err, scale, zero
+
+
 def mse_clip_search(
     w: torch.Tensor,
     scheme: QuantScheme,
     grid: int = 100,
     max_shrink: float = 0.8,
     norm: float = 2.4,
+    coarse: int = 5,
 ) -> QuantParams:
     """Per-(row, group) range shrink that minimises ``sum |w - Q(w)|^norm``.
 
-    The same search as GPTQ's reference ``Quantizer(mse=True)`` (grid of shrink factors
-    ``1 - i/grid`` down to ``1 - max_shrink``, error norm 2.4), vectorised over groups.
+    The objective of GPTQ's reference ``Quantizer(mse=True)`` (shrink factors ``1 - i/grid``
+    down to ``1 - max_shrink``, error norm 2.4), searched coarse-to-fine: every ``coarse``-th
+    factor first, then every factor within ``coarse`` steps of each (row, group)'s best. That
+    evaluates about a quarter of the grid, on a ``[N, G, g]`` view without index expansion.
     """
     w = w.float()
     n, k = w.shape
+    g = k if scheme.group_size is None else scheme.group_size
+    groups = math.ceil(k / g)
+    # Zero padding adds no error: 0 is always exactly representable (integer zero point).
+    w3 = torch.nn.functional.pad(w, (0, groups * g - k)).reshape(n, groups, 1, g)
     lo, hi = _grouped_minmax(w, scheme)
-    g_idx = default_g_idx(k, scheme).to(w.device)
-    best_err = torch.full_like(lo, float("inf"))
-    best_scale, best_zero = params_from_range(lo, hi, scheme)
     steps = int(max_shrink * grid)
-    for i in range(steps + 1):
-        p = 1.0 - i / grid
-        scale, zero = params_from_range(lo * p, hi * p, scheme)
-        err = (fake_quantize(w, QuantParams(scheme, scale, zero, g_idx)) - w).abs_().pow_(norm)
-        err_g = torch.zeros_like(lo).index_add_(1, g_idx.long(), err)
-        better = err_g < best_err
-        best_err = torch.where(better, err_g, best_err)
-        best_scale = torch.where(better, scale, best_scale)
-        best_zero = torch.where(better, zero, best_zero)
-    return QuantParams(scheme, best_scale, best_zero, g_idx)
+    first = torch.arange(0, steps + 1, coarse, dtype=torch.float32, device=w.device)
+    err, _, _ = _shrink_errors(w3, lo, hi, (1.0 - first / grid).expand(n, groups, -1), scheme, norm)
+    centre = first[err.argmin(dim=-1)]  # [N, G]
+    offsets = torch.arange(-coarse + 1, coarse, dtype=torch.float32, device=w.device)
+    idx = (centre[..., None] + offsets).clamp(0, steps)
+    err, scale, zero = _shrink_errors(w3, lo, hi, 1.0 - idx / grid, scheme, norm)
+    pick = err.argmin(dim=-1, keepdim=True)
+    best_scale = scale.gather(-1, pick)[..., 0]
+    best_zero = zero.gather(-1, pick)[..., 0]
+    return QuantParams(scheme, best_scale, best_zero, default_g_idx(k, scheme).to(w.device))
 
 
 def choose_qparams(w: torch.Tensor, scheme: QuantScheme, observer: str = "minmax") -> QuantParams:

@@ -1,0 +1,87 @@
+"""`make bench`: the fixed protocol on the default model, one process per recipe.
+
+Protocol (see README): float32 SmolLM2-135M; calibration on the first 128 non-overlapping
+512-token chunks of WikiText-2 validation; perplexity on the first 40 non-overlapping
+2048-token windows of WikiText-2 raw test. Each recipe runs as its own `optc quantize` process
+so wall time and peak RSS are those of the whole command, start to written checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(os.environ.get("OPTC_DATA", ROOT.parent / "shared" / "data"))
+CALIB = DATA / "wikitext-2-valid.txt"
+TEST = DATA / "wikitext-2-raw-test.txt"
+OPTC = [sys.executable, "-m", "optc"]
+RECIPES = ["w4a16-rtn", "w4a16-gptq", "w4a16-awq", "w8a16-gptq"]
+
+
+def run_child(cmd: list[str]) -> tuple[float, float, str]:
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        os.execvp(cmd[0], cmd)
+    _, status, usage = os.wait4(pid, 0)
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{' '.join(cmd)} failed")
+    return time.perf_counter() - t0, usage.ru_maxrss / 2**20, ""
+
+
+def evaluate(model: str, windows: int) -> float:
+    out = subprocess.run(
+        [*OPTC, "eval", model, "--dataset", str(TEST), "--seqlen", "2048", "--windows", str(windows), "--json"],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    metrics = json.loads(out)["metrics"]
+    return metrics["perplexity_model"]["perplexity"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--recipes", nargs="*", default=RECIPES)
+    ap.add_argument("--windows", type=int, default=40)
+    ap.add_argument("--format", default="compressed-tensors")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results.md")
+    args = ap.parse_args()
+    for f in (CALIB, TEST):
+        if not f.is_file():
+            raise SystemExit(f"missing {f} (set OPTC_DATA to the folder holding WikiText-2)")
+    rows = [("float32 baseline", evaluate("smollm2-135m", args.windows), None, None, None)]
+    work = Path(tempfile.mkdtemp(prefix="optc-bench-"))
+    try:
+        for recipe in args.recipes:
+            out_dir = work / recipe
+            cmd = [*OPTC, "quantize", "--recipe", recipe, "--dataset", str(CALIB), "--samples", "128",
+                   "--seqlen", "512", "--no-eval", "--format", args.format, "--output", str(out_dir)]
+            seconds, rss, _ = run_child(cmd)
+            size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
+            rows.append((recipe, evaluate(str(out_dir), args.windows), seconds, rss, size / 2**20))
+            print(f"{recipe}: done", file=sys.stderr, flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    lines = [
+        "| recipe | perplexity | quantize wall (s) | peak RSS (GB) | checkpoint (MiB) |",
+        "|---|---|---|---|---|",
+    ]
+    for name, ppl, sec, rss, size in rows:
+        fmt = lambda v, d: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+        lines.append(f"| {name} | {ppl:.2f} | {fmt(sec, 0)} | {fmt(rss, 2)} | {fmt(size, 1)} |")
+    table = "\n".join(lines)
+    print(table)
+    args.out.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
