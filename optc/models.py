@@ -9,6 +9,7 @@ instead of half a minute.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -16,11 +17,11 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from optc.errors import OptcError
 
@@ -44,6 +45,7 @@ class LoadedModel:
     tokenizer: object
     source: str  # what the user named
     path: Path | None  # local directory or file it came from (never written to)
+    qparams: dict = field(default_factory=dict)  # module name -> QuantParams, if quantized
 
 
 def _fetch_builtin_gguf(name: str) -> Path:
@@ -111,11 +113,48 @@ def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
     return target
 
 
+def _quant_method(path: Path | str) -> str | None:
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        qc = json.loads(config.read_text()).get("quantization_config") or {}
+    except json.JSONDecodeError as exc:
+        raise OptcError(f"{config}: not valid JSON ({exc.msg})") from None
+    return qc.get("quant_method")
+
+
+def _load_pack_quantized(path: Path, dtype: torch.dtype):
+    """optc's own reader: the float model with exactly the checkpoint's dequantized weights."""
+    from optc.export.compressed_tensors import read_pack_quantized
+
+    state, qparams = read_pack_quantized(path)
+    config = AutoConfig.from_pretrained(path)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    current = model.state_dict()
+    loaded = {current[k].data_ptr() for k in state if k in current}
+    # A missing key is fine only when it is tied to a loaded tensor (lm_head -> embeddings).
+    absent = [k for k in missing if current[k].data_ptr() not in loaded]
+    if unexpected or absent:
+        raise OptcError(
+            f"{path}: checkpoint does not match its config "
+            f"(missing {absent[:3]}, unexpected {unexpected[:3]})"
+        )
+    return model, qparams
+
+
 def _load_dir(path: Path | str, dtype: torch.dtype, trust_remote_code: bool):
-    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    qparams: dict = {}
+    if _quant_method(path) == "compressed-tensors":
+        model, qparams = _load_pack_quantized(Path(path), dtype)
+    else:
+        kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return model, tokenizer
+    return model, tokenizer, qparams
 
 
 def load_model(
@@ -132,18 +171,19 @@ def load_model(
     try:
         if source in _BUILTIN:
             path = builtin_model_dir(source)
-            model, tokenizer = _load_dir(path, torch_dtype, False)
+            model, tokenizer, qparams = _load_dir(path, torch_dtype, False)
         elif path.suffix == ".gguf":
             if not path.is_file():
                 raise OptcError(f"model file not found: {path}")
             model, tokenizer = _load_gguf(path, torch_dtype)
+            qparams = {}
         elif path.exists():
             if not (path / "config.json").is_file():
                 raise OptcError(f"{path} is not a Hugging Face model directory (no config.json)")
-            model, tokenizer = _load_dir(path, torch_dtype, trust_remote_code)
+            model, tokenizer, qparams = _load_dir(path, torch_dtype, trust_remote_code)
         elif source.count("/") == 1 and not source.startswith((".", "/", "~")):
             path = None
-            model, tokenizer = _load_dir(source, torch_dtype, trust_remote_code)
+            model, tokenizer, qparams = _load_dir(source, torch_dtype, trust_remote_code)
         else:
             raise OptcError(f"model not found: {source!r} is neither a path nor a built-in model")
     except OSError as exc:
@@ -151,13 +191,4 @@ def load_model(
     model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(model, tokenizer, source, path)
-
-
-def generation_config(model: torch.nn.Module) -> GenerationConfig | None:
-    return getattr(model, "generation_config", None)
-
-
-def model_config_dict(source: str) -> dict:
-    """The config of a local model directory without loading weights."""
-    return AutoConfig.from_pretrained(source).to_dict()
+    return LoadedModel(model, tokenizer, source, path, qparams)

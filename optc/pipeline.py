@@ -12,6 +12,7 @@ from optc.data import check_disjoint, evaluation_tokens
 from optc.errors import OptcError
 from optc.evaluate.perplexity import perplexity
 from optc.evaluate.report import new_report, write_report
+from optc.export.compressed_tensors import write_pack_quantized
 from optc.export.checkpoint import check_output, directory_bytes, staged_output, write_dense
 from optc.models import load_model
 from optc.progress import NullProgress, Progress
@@ -109,7 +110,29 @@ def export_checkpoint(ws: Workspace, fmt: str, directory: Path, max_shard_size: 
     if fmt == "dense":
         write_dense(ws.model, ws.tokenizer, directory, max_shard_size)
         return "dense"
+    if fmt == "compressed-tensors":
+        if not ws.qparams:
+            raise OptcError(
+                "export format compressed-tensors needs quantized weights; this recipe quantizes "
+                "nothing (use format: dense)"
+            )
+        write_pack_quantized(ws.model, ws.qparams, directory, max_shard_bytes=parse_size(max_shard_size))
+        ws.tokenizer.save_pretrained(directory)
+        return "compressed-tensors/pack-quantized"
     raise OptcError(f"export format {fmt!r} is not available")
+
+
+def parse_size(text: str) -> int:
+    """``"2GB"`` / ``"500MB"`` / ``"1GiB"`` -> bytes."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit):
+            try:
+                return int(float(t[: -len(unit)]) * units[unit])
+            except ValueError:
+                break
+    raise OptcError(f"cannot parse size {text!r} (e.g. 2GB, 500MB)")
 
 
 def evaluate_model(

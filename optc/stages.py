@@ -143,7 +143,9 @@ class GPTQStage(_WeightQuantStage):
     block_size: int = Field(128, gt=0)
     dampening: float = Field(0.01, gt=0, description="fraction of mean diag(H) added to H")
     actorder: bool = Field(True, description="quantize columns by decreasing Hessian diagonal")
-    static_groups: bool = Field(False, description="fix group grids before act-order")
+    static_groups: bool = Field(
+        True, description="fix group grids before act-order (compressed-tensors cannot store permuted groups)"
+    )
     observer: Literal["minmax", "mse"] = "mse"
 
 
