@@ -39,8 +39,14 @@ def _builtin_text(role: Role) -> str:
 
     keys = sorted(topics)
     cut = int(len(keys) * _BUILTIN_CALIB_SHARE)
-    chosen = keys[:cut] if role == "calibration" else keys[cut:]
-    return "\n\n".join(topics[k] for k in chosen)
+    held_out = "\n\n".join(topics[k] for k in keys[cut:])
+    if role == "evaluation":
+        return held_out
+    # Topics overlap (e.g. "compound" repeats "try", "while" and "with"): drop every
+    # calibration paragraph that shares a non-trivial line with the held-out text.
+    seen = {s for ln in held_out.splitlines() if len(s := ln.strip()) >= 20}
+    paragraphs = (p for k in keys[:cut] for p in topics[k].split("\n\n"))
+    return "\n\n".join(p for p in paragraphs if not any(ln.strip() in seen for ln in p.splitlines()))
 
 
 def _hf_text(name: str, role: Role) -> str:

@@ -149,15 +149,18 @@ def apply_overrides(data: dict, overrides: dict[str, Any]) -> dict:
             continue
         node = data
         parts = key.split(".")
-        for part in parts[:-1]:
+        try:
+            for part in parts[:-1]:
+                if isinstance(node, list):
+                    node = node[int(part)]
+                else:
+                    if not isinstance(node.get(part), dict | list):
+                        node[part] = {}
+                    node = node[part]
             if isinstance(node, list):
-                node = node[int(part)]
+                node[int(parts[-1])] = value
             else:
-                if not isinstance(node.get(part), dict | list):
-                    node[part] = {}
-                node = node[part]
-        if isinstance(node, list):
-            node[int(parts[-1])] = value
-        else:
-            node[parts[-1]] = value
+                node[parts[-1]] = value
+        except (IndexError, ValueError):
+            raise OptcError(f"cannot set {key} = {value!r}: the recipe has no such entry") from None
     return data

@@ -117,7 +117,8 @@ def _print_report(report: dict, as_json: bool) -> None:
     for key, value in metrics.items():
         if key.startswith("perplexity_"):
             lo, hi = value["ci95"]
-            table.add_row(key.removeprefix("perplexity_"), f"{value['perplexity']:.3f}", f"[{lo:.2f}, {hi:.2f}]", f"{value['windows']} x {value['seqlen']}")
+            ci = "-" if lo is None else f"\\[{lo:.2f}, {hi:.2f}]"  # escaped: not rich markup
+            table.add_row(key.removeprefix("perplexity_"), f"{value['perplexity']:.3f}", ci, f"{value['windows']} x {value['seqlen']}")
     if table.row_count:
         console.print(table)
     if "perplexity_baseline" in metrics and "perplexity_compressed" in metrics:
@@ -169,6 +170,11 @@ def _device(device: str) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in ("cpu", "cuda"):
         raise OptcError(f"unknown device {device!r} (expected cpu, cuda or auto)")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise OptcError("--device cuda: no CUDA device is available (use cpu or auto)")
     return device
 
 
@@ -302,7 +308,7 @@ def recipes_show(name: Annotated[str, typer.Argument(help="Built-in recipe name 
     """Print a recipe as written."""
     from optc.recipe import resolve_recipe
 
-    console.print(resolve_recipe(name).read_text(), highlight=False, markup=False)
+    typer.echo(resolve_recipe(name).read_text(encoding="utf-8"), nl=False)  # verbatim: never wrapped
 
 
 @recipes_app.command("validate")

@@ -53,7 +53,7 @@ def model_context(model: torch.nn.Module) -> int | None:
 class PerplexityResult:
     perplexity: float
     nll: float
-    ci95: tuple[float, float]  # perplexity interval from the per-window NLLs
+    ci95: tuple[float | None, float | None]  # from the per-window NLLs; None with one window
     windows: int
     tokens: int
     seqlen: int
@@ -118,7 +118,8 @@ def perplexity(
     return PerplexityResult(
         perplexity=math.exp(nll),
         nll=nll,
-        ci95=(math.exp(lo_ci), math.exp(hi_ci)) if not math.isnan(lo_ci) else (float("nan"),) * 2,
+        # None, not NaN, so that report.json stays strict JSON.
+        ci95=(math.exp(lo_ci), math.exp(hi_ci)) if not math.isnan(lo_ci) else (None, None),
         windows=len(spans),
         tokens=count,
         seqlen=seqlen,

@@ -1,0 +1,143 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from optc.calibrate.modules import find_decoder_layers, is_linear, select_linears
+from optc.calibrate.sequential import run_sequential
+from optc.errors import OptcError
+from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens
+
+
+def _layer_outputs(model: nn.Module, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each decoder layer's output in a plain forward of the whole model."""
+    _, layers = find_decoder_layers(model)
+    outs: list[torch.Tensor] = []
+    handles = [
+        layer.register_forward_hook(lambda _m, _a, out: outs.append(out[0] if isinstance(out, tuple) else out))
+        for layer in layers
+    ]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return outs
+
+
+def _no_hooks(model: nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_noop_solver_reproduces_the_plain_forward(arch: str) -> None:
+    model = tiny_model(arch)
+    ids = tiny_tokens(n=5, seqlen=24)
+    expected = _layer_outputs(model, ids)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prefix, layers = find_decoder_layers(model)
+    seen: list[tuple[int, str, list[str]]] = []
+    got: list[torch.Tensor] = []
+
+    def solve(step):
+        seen.append((step.index, step.name, sorted(step.linears)))
+        got.append(torch.cat(step.run()))  # the layer's outputs on the captured inputs
+        return {"n": len(step.linears)}
+
+    # batch_size 2 over 5 samples: the last batch is smaller, as in real runs.
+    stats = run_sequential(model, ids, solve, targets=[".*"], ignore=["lm_head"], batch_size=2)
+
+    all_linears = {n for n, m in model.named_modules() if is_linear(m) and n.startswith(prefix + ".")}
+    assert [s[:2] for s in seen] == [(i, f"{prefix}.{i}") for i in range(len(layers))]
+    assert sorted(n for s in seen for n in s[2]) == sorted(all_linears)
+    for i, (_, name, names) in enumerate(seen):
+        assert names and all(n.startswith(name + ".") for n in names)
+        assert dict(layers[i].named_modules()).keys() >= {n.removeprefix(name + ".") for n in names}
+    assert [s["layer"] for s in stats] == [s[1] for s in seen] and all(s["n"] for s in stats)
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert _no_hooks(model) and not model.training
+
+
+def test_targets_select_a_subset() -> None:
+    model = tiny_model("llama")
+    seen: list[str] = []
+    run_sequential(
+        model, tiny_tokens(n=2, seqlen=16), lambda step: seen.extend(step.linears) or {},
+        targets=["mlp"], ignore=["down_proj"], batch_size=2,
+    )
+    assert sorted(seen) == sorted(
+        f"model.layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj")
+    )
+
+
+def test_solver_changes_propagate_to_later_layers() -> None:
+    model = tiny_model("llama")
+    ids = tiny_tokens(n=2, seqlen=16)
+    inputs: list[torch.Tensor] = []
+
+    def solve(step):
+        if step.index == 0:  # "compress" layer 0
+            with torch.no_grad():
+                step.linears["model.layers.0.mlp.down_proj"].weight.zero_()
+        else:
+            step.collect(["model.layers.1.self_attn.q_proj"], lambda n, m: _Keep(inputs))
+        return {}
+
+    run_sequential(model, ids, solve, targets=[".*"], ignore=[], batch_size=2)
+    # Layer 1 saw the inputs produced by the already-modified layer 0.
+    seen_q: list[torch.Tensor] = []
+    h = model.model.layers[1].self_attn.q_proj.register_forward_hook(lambda m, a, o: seen_q.append(a[0]))
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    h.remove()
+    torch.testing.assert_close(torch.cat(inputs), seen_q[0], atol=1e-5, rtol=1e-5)
+
+
+class _Keep:
+    def __init__(self, store: list) -> None:
+        self.store = store
+
+    def add(self, x: torch.Tensor) -> None:
+        self.store.append(x)
+
+
+class _Boom:
+    def add(self, x: torch.Tensor) -> None:
+        raise RuntimeError("boom in accumulator")
+
+
+@pytest.mark.parametrize("where", ["accumulator", "solver"])
+def test_hooks_removed_after_solver_error(where: str) -> None:
+    model = tiny_model("llama")
+    ids = tiny_tokens(n=2, seqlen=16)
+
+    def solve(step):
+        if where == "accumulator":
+            step.collect(list(step.linears), lambda n, m: _Boom())
+        step.collect(list(step.linears), lambda n, m: _Keep([]))
+        raise RuntimeError("boom in solver")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        run_sequential(model, ids, solve, targets=[".*"], ignore=[], batch_size=2)
+    linears = [m for m in model.modules() if is_linear(m)]
+    assert linears and all(not m._forward_hooks for m in linears)
+    assert _no_hooks(model)
+    _, layers = find_decoder_layers(model)
+    assert len(layers) == 2  # the decoder stack is back in the model
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_select_linears_no_match_lists_existing() -> None:
+    model = tiny_model("llama")
+    with pytest.raises(OptcError, match=r"match no Linear.*model\.layers\.0\.mlp\.down_proj"):
+        select_linears(model, ["nonexistent_proj"], [])
+    with pytest.raises(OptcError, match="match no Linear"):
+        select_linears(model, [".*"], [".*"])
+    gpt2 = select_linears(tiny_model("gpt2"), ["c_attn"], [])
+    assert sorted(gpt2) == ["transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn"]
+    assert "lm_head" not in select_linears(model, [".*"], [])  # only Linears inside decoder layers
