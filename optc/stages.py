@@ -143,9 +143,12 @@ class GPTQStage(_WeightQuantStage):
     block_size: int = Field(128, gt=0)
     dampening: float = Field(0.01, gt=0, description="fraction of mean diag(H) added to H")
     actorder: bool = Field(True, description="quantize columns by decreasing Hessian diagonal")
-    static_groups: bool = Field(
-        True, description="fix group grids before act-order (compressed-tensors cannot store permuted groups)"
+    groups: Literal["lazy", "static", "permuted"] = Field(
+        "lazy",
+        description="act-order group grids: lazy (contiguous groups, grid chosen on first touch), "
+        "static (grids fixed up front) or permuted (AutoGPTQ desc_act; needs g_idx on disk)",
     )
+    refit_scales: bool = Field(True, description="least-squares scales for the final codes")
     observer: Literal["minmax", "mse"] = "mse"
 
 
@@ -160,7 +163,7 @@ def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
             res = gptq_quantize(
                 weight_2d(module).detach(), accs[name].H, cfg.scheme_for(name),
                 block_size=cfg.block_size, dampening=cfg.dampening, actorder=cfg.actorder,
-                static_groups=cfg.static_groups, observer=cfg.observer, name=name,
+                groups=cfg.groups, observer=cfg.observer, name=name, refit=cfg.refit_scales,
             )
             stats = _record_quantized(ws, name, module, res.weight, res.params)
             per_module[name] = {**stats, "gptq_loss": round(res.loss, 6)}

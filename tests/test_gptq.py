@@ -85,7 +85,9 @@ def test_loss_is_quadratic_error():
     W, X = _correlated_problem(k=200)
     H = _hessian(X)
     damp = 0.01
-    res = gptq_quantize(W, H, QuantScheme(bits=4, group_size=64), dampening=damp, block_size=48)
+    res = gptq_quantize(
+        W, H, QuantScheme(bits=4, group_size=64), dampening=damp, block_size=48, refit=False
+    )
     Hd = H + damp * torch.diag(H).mean() * torch.eye(H.shape[0])
     dW = (res.weight - W).double()
     expected = 0.5 * float(torch.einsum("nk,kl,nl->", dW, Hd.double(), dW))
@@ -93,13 +95,27 @@ def test_loss_is_quadratic_error():
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("groups", ["lazy", "static", "permuted"])
+def test_scale_refit_never_hurts(symmetric, groups):
+    W, X = _correlated_problem(k=200)
+    H = _hessian(X)
+    scheme = QuantScheme(bits=4, group_size=64, symmetric=symmetric)
+    err = {}
+    for refit in (False, True):
+        res = gptq_quantize(W, H, scheme, groups=groups, refit=refit)
+        err[refit] = float(((W - res.weight) @ X.T).pow(2).sum())
+        assert torch.allclose(dequantize(quantize(res.weight, res.params), res.params), res.weight, atol=1e-6)
+    assert err[True] <= err[False] * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
 @pytest.mark.parametrize("group_size", [None, 32, 64])
-@pytest.mark.parametrize("actorder,static_groups", [(False, False), (True, False), (True, True)])
-def test_params_requantize_exactly(llama_down_proj, symmetric, group_size, actorder, static_groups):
+@pytest.mark.parametrize("actorder,groups", [(False, "lazy"), (True, "permuted"), (True, "static"), (True, "lazy")])
+def test_params_requantize_exactly(llama_down_proj, symmetric, group_size, actorder, groups):
     W, X = llama_down_proj
     scheme = QuantScheme(bits=4, symmetric=symmetric, group_size=group_size)
     res = gptq_quantize(
-        W, _hessian(X), scheme, actorder=actorder, static_groups=static_groups, block_size=48
+        W, _hessian(X), scheme, actorder=actorder, groups=groups, block_size=48
     )
     p = res.params
     k = W.shape[1]
@@ -110,7 +126,7 @@ def test_params_requantize_exactly(llama_down_proj, symmetric, group_size, actor
     assert raw.min() >= scheme.qmin and raw.max() <= scheme.qmax
     if group_size is not None:
         assert torch.bincount(p.g_idx.long()).max() <= group_size
-        assert p.actorder == (actorder and not static_groups)
+        assert p.actorder == (actorder and groups == "permuted")
     else:
         assert torch.equal(p.g_idx, default_g_idx(k, scheme))
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Literal
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,7 @@ from optc.compress.quant import (
     QuantScheme,
     choose_qparams,
     default_g_idx,
+    quantize,
     quantize_column,
 )
 from optc.errors import OptcError
@@ -68,6 +70,9 @@ def _inverse_hessian_factor(H: torch.Tensor, dampening: float, name: str) -> tor
     )
 
 
+GroupMode = Literal["static", "lazy", "permuted"]
+
+
 def gptq_quantize(
     W: torch.Tensor,
     H: torch.Tensor,
@@ -76,14 +81,22 @@ def gptq_quantize(
     block_size: int = 128,
     dampening: float = 0.01,
     actorder: bool = True,
-    static_groups: bool = False,
+    groups: GroupMode = "lazy",
     observer: str = "mse",
     name: str = "",
+    refit: bool = True,
 ) -> GPTQResult:
     """Quantize ``W`` ([N, K]) onto ``scheme``, minimising ``||W X - W_hat X||^2``.
 
     ``H`` is the input Hessian ``2 X X^T / n`` (see ``HessianAccumulator``). ``observer``
-    (``mse`` or ``minmax``) picks each grid; ``name`` labels logs and errors.
+    (``mse`` or ``minmax``) picks each grid; ``name`` labels logs and errors. ``refit``
+    re-solves the scales for the final integer codes (:func:`refit_scales`).
+
+    ``groups`` (with act-order): ``static`` fixes every grid from ``W`` before the sweep;
+    ``lazy`` keeps groups as contiguous runs of columns but chooses each grid from the
+    error-updated weights when the sweep first reaches the group (any runtime can load it);
+    ``permuted`` forms groups along the processing order (AutoGPTQ ``desc_act``; needs a
+    ``g_idx`` permutation on disk).
     """
     t0 = time.perf_counter()
     n, k = W.shape
@@ -102,10 +115,15 @@ def gptq_quantize(
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     Wf[:, dead] = 0
+    H_orig = H.clone() if refit else None
 
     num_groups = scheme.num_groups(k)
     scale = torch.ones(n, num_groups, device=dev)
     zero = torch.zeros(n, num_groups, dtype=torch.int32, device=dev)
+    if groups not in ("static", "lazy", "permuted"):
+        raise ValueError(f"unknown GPTQ group mode {groups!r}")
+    static_groups = groups == "static"
+    permuted = groups == "permuted"
     if not grouped or static_groups:
         # Per-channel, or static groups: the grid is fixed before any error feedback, so
         # act-order only changes the processing order and g_idx stays contiguous.
@@ -124,7 +142,7 @@ def gptq_quantize(
     # ones are formed along the processing order (AutoGPTQ's act-order layout).
     if not grouped:
         col_group = [0] * k
-    elif static_groups and perm is not None:
+    elif not permuted and perm is not None:
         col_group = (perm // g).tolist()
     else:
         col_group = [c // g for c in range(k)]
@@ -134,6 +152,10 @@ def gptq_quantize(
     # repeatedly applying the OBS rank-1 downdate.
     Hinv = _inverse_hessian_factor(H, dampening, name)
 
+    # Processing positions of each group's columns (for choosing grids on first touch).
+    col_group_t = torch.tensor(col_group, device=dev)
+    members = {gi: (col_group_t == gi).nonzero().squeeze(1) for gi in set(col_group)} if grouped else {}
+    chosen: set[int] = set()
     Q = torch.zeros_like(Wf)
     loss_acc = torch.zeros((), device=dev)
     zf = zero.float()
@@ -151,17 +173,20 @@ def gptq_quantize(
         for i in range(count):
             col = i1 + i
             gi = col_group[col]
-            if grouped and not static_groups and col % g == 0:
-                # The group's grid is chosen from the error-updated weights as they stand
-                # now: in-block columns from W1, later ones from Wf plus this block's
-                # pending update (the reference reads stale in-block values here).
-                end = min(col + g, k)
-                part = [W1[:, i : min(count, i + g)]]
-                if end > i2:
-                    part.append(Wf[:, i2:end] - Err1 @ Hinv[i1:i2, i2:end])
+            if grouped and not static_groups and gi not in chosen:
+                # The group's grid is chosen when the sweep first reaches one of its columns,
+                # from the error-updated weights as they stand now: in-block columns from W1,
+                # later ones from Wf plus this block's pending update (the reference reads
+                # stale in-block values here).
+                pos = members[gi]
+                inside, later = pos[(pos >= i1) & (pos < i2)], pos[pos >= i2]
+                part = [W1[:, inside - i1]]
+                if later.numel():
+                    part.append(Wf[:, later] - Err1 @ Hinv[i1:i2, later])
                 p = choose_qparams(torch.cat(part, dim=1), scheme, observer)
                 scale[:, gi], zero[:, gi] = p.scale[:, 0], p.zero[:, 0]
                 zf[:, gi] = zero[:, gi].float()
+                chosen.add(gi)
             if gi != cur_group:
                 s_col, z_col, cur_group = scale[:, gi], zf[:, gi], gi
 
@@ -184,13 +209,15 @@ def gptq_quantize(
     else:
         invperm = torch.argsort(perm)
         Q = Q[:, invperm]
-        if grouped and not static_groups:
+        if grouped and permuted:
             # Original column j was processed at position invperm[j], in that position's group.
             g_idx = (invperm // g).to(torch.int32)
         else:
             g_idx = default_g_idx(k, scheme).to(dev)
 
     params = QuantParams(scheme, scale, zero, g_idx)
+    if refit:
+        Q, params = refit_scales(W.detach().float(), H_orig, Q, params)
     seconds = time.perf_counter() - t0
     loss = float(loss_acc)
     if not math.isfinite(loss):
@@ -200,3 +227,43 @@ def gptq_quantize(
         )
     log.debug("GPTQ %s [%dx%d] %s loss %.4g in %.2fs", name, n, k, scheme.label(), loss, seconds)
     return GPTQResult(weight=Q.to(W.dtype), params=params, loss=loss, seconds=seconds)
+
+
+def refit_scales(
+    W: torch.Tensor, H: torch.Tensor, W_hat: torch.Tensor, p: QuantParams, ridge: float = 1e-4
+) -> tuple[torch.Tensor, QuantParams]:
+    """Least-squares scales for fixed integer codes: min_s (w - C s)^T H (w - C s) per row.
+
+    GPTQ fixes each group's scale before it knows the codes the sweep will choose. With the
+    codes ``c = q - z`` fixed, ``W_hat[r] = C_r s_r`` is linear in the row's group scales, so
+    the output error ``||W X - W_hat X||^2 ~ (w - C s)^T H (w - C s)`` has a closed-form
+    minimiser: ``(C^T H C) s = C^T H w``, a G x G system per row. A ridge towards the old
+    scales keeps empty or degenerate groups where they were; a row keeps its old scales
+    unless the new ones lower its error, so the result is never worse than the input.
+    """
+    n, k = W.shape
+    groups = p.scale.shape[1]
+    g_idx = p.g_idx.long()
+    c = (quantize(W_hat, p).float() - p.zero.float()[:, g_idx])  # codes relative to zero
+    HW = W @ H
+    A = torch.zeros(n, groups, groups, dtype=torch.float32, device=W.device)
+    for b in range(groups):
+        cols = (g_idx == b).nonzero().squeeze(1)
+        Yb = c[:, cols] @ H[cols, :]  # [N, K]: sum over j in group b of c_rj H_j.
+        A[:, :, b] = torch.zeros(n, groups, device=W.device).index_add_(1, g_idx, c * Yb)
+    v = torch.zeros(n, groups, device=W.device).index_add_(1, g_idx, c * HW)
+    lam = ridge * A.diagonal(dim1=1, dim2=2).mean(dim=1).clamp_min(1e-12)  # [N]
+    eye = torch.eye(groups, device=W.device)
+    old = p.scale.float()
+    s = torch.linalg.solve(A + lam[:, None, None] * eye, (v + lam[:, None] * old).unsqueeze(-1))[..., 0]
+
+    def row_error(scales: torch.Tensor) -> torch.Tensor:
+        d = W - c * scales[:, g_idx]
+        return ((d @ H) * d).sum(dim=1)
+
+    valid = torch.isfinite(s).all(dim=1) & (s > 0).all(dim=1)
+    s = torch.where(valid[:, None], s, old)
+    better = row_error(s) < row_error(old)
+    s = torch.where(better[:, None], s, old)
+    new = QuantParams(p.scheme, s.to(p.scale.dtype), p.zero, p.g_idx)
+    return (c * s[:, g_idx]).to(W_hat.dtype), new
