@@ -134,6 +134,7 @@ def _load_pack_quantized(path: Path, dtype: torch.dtype):
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     missing, unexpected = model.load_state_dict(state, strict=False)
     model.tie_weights()
+    model.eval()  # from_config builds in training mode (dropout on)
     current = model.state_dict()
     loaded = {current[k].data_ptr() for k in state if k in current}
     # A missing key is fine only when it is tied to a loaded tensor (lm_head -> embeddings).

@@ -1,0 +1,124 @@
+"""Weight quantization end to end on tiny models of every supported architecture."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from optc.calibrate.modules import select_linears
+from optc.errors import OptcError
+from optc.export.checkpoint import write_dense
+from optc.export.compressed_tensors import write_pack_quantized
+from optc.models import _load_pack_quantized
+from optc.stages import STAGES, Workspace
+from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens
+
+
+def _quantize(model, method: str, ids: torch.Tensor, **extra) -> Workspace:
+    ws = Workspace(model, None)
+    ws._ids = ids
+    cfg_cls, fn = STAGES[method]
+    cfg = cfg_cls.model_validate(
+        {"type": method, "scheme": {"bits": 3, "group_size": 32}, **extra}
+    )
+    fn(ws, cfg)
+    return ws
+
+
+def _logit_error(model, ref_logits: torch.Tensor, ids: torch.Tensor) -> float:
+    with torch.no_grad():
+        return float((model(ids).logits - ref_logits).pow(2).mean())
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_calibrated_methods_beat_rtn(arch):
+    ids = tiny_tokens(16, 64)
+    base = tiny_model(arch)
+    with torch.no_grad():
+        ref = base(ids).logits
+    errors = {}
+    for method in ("rtn", "gptq", "awq"):
+        model = copy.deepcopy(base)
+        ws = _quantize(model, method, ids)
+        assert set(ws.qparams) == set(select_linears(model, [".*"], ["lm_head"]))
+        errors[method] = _logit_error(model, ref, ids)
+    assert errors["gptq"] < errors["rtn"], errors
+    assert errors["awq"] < errors["rtn"], errors
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "opt"])
+@pytest.mark.parametrize("groups", ["lazy", "static"])
+def test_gptq_checkpoint_reloads_in_transformers(arch, groups, tmp_path):
+    ids = tiny_tokens(8, 64)
+    model = tiny_model(arch)
+    ws = _quantize(model, "gptq", ids, actorder=True, groups=groups)
+    write_pack_quantized(model, ws.qparams, tmp_path)
+    with torch.no_grad():
+        ours = model(ids).logits
+        theirs = AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits
+        own, qparams = _load_pack_quantized(tmp_path, torch.float32)
+        again = own(ids).logits
+    assert (ours - theirs).abs().max() < 1e-4
+    assert (ours - again).abs().max() < 1e-5
+    assert set(qparams) == set(ws.qparams)
+
+
+def test_gpt2_conv1d_dense_export_reloads(tmp_path):
+    ids = tiny_tokens(8, 64)
+    model = tiny_model("gpt2")
+    _quantize(model, "gptq", ids)
+    write_dense(model, None, tmp_path)
+    with torch.no_grad():
+        diff = (model(ids).logits - AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits)
+    assert diff.abs().max() < 1e-5
+
+
+def test_mixed_precision_overrides():
+    ids = tiny_tokens(8, 64)
+    model = tiny_model("llama")
+    ws = _quantize(
+        model, "gptq", ids,
+        overrides=[
+            {"pattern": r"down_proj", "scheme": {"bits": 8, "group_size": None}},
+            {"pattern": r"layers\.0\.self_attn", "scheme": None},
+        ],
+    )
+    assert not any(n.startswith("model.layers.0.self_attn") for n in ws.qparams)
+    down = [p for n, p in ws.qparams.items() if n.endswith("down_proj")]
+    assert down and all(p.scheme.bits == 8 and p.scheme.group_size is None for p in down)
+    assert ws.qparams["model.layers.1.self_attn.q_proj"].scheme.bits == 3
+
+
+def test_non_dividing_group_size():
+    # hidden 96 and intermediate 200 are not multiples of 64.
+    ids = tiny_tokens(8, 64)
+    model = tiny_model("llama")
+    ws = Workspace(model, None)
+    ws._ids = ids
+    cfg_cls, fn = STAGES["gptq"]
+    fn(ws, cfg_cls.model_validate({"type": "gptq", "scheme": {"bits": 4, "group_size": 64}}))
+    p = ws.qparams["model.layers.0.mlp.down_proj"]
+    assert p.scale.shape == (96, 4)  # ceil(200 / 64)
+
+
+def test_non_positive_definite_hessian_names_layer(monkeypatch):
+    import optc.stages as stages
+
+    ids = tiny_tokens(4, 32)
+    model = tiny_model("llama")
+
+    class Broken:
+        def __init__(self, k: int) -> None:
+            self.H = -torch.eye(k)
+
+        def add(self, x: torch.Tensor) -> None:
+            pass
+
+    monkeypatch.setattr(stages, "HessianAccumulator", Broken)
+    with pytest.raises(OptcError, match=r"model\.layers\.0\.self_attn\.q_proj"):
+        _quantize(model, "gptq", ids)
+    for m in model.modules():
+        assert not m._forward_hooks
