@@ -173,14 +173,18 @@ class LayerStep:
         return {**accs, **{n: accs[a] for n, a in alias.items()}}
 
     @torch.inference_mode()
-    def run(self, keep: bool = True) -> list[torch.Tensor]:
+    def advance(self) -> None:
+        """Replace each batch's inputs by this layer's outputs, one batch at a time, so only
+        one extra batch of activations is alive."""
         self.forwards += 1
-        outs = []
         for b in self.batches:
-            out = _call_layer(self.layer, b)
-            if keep:
-                outs.append(out)
-        return outs
+            b.hidden = _call_layer(self.layer, b)
+
+    @torch.inference_mode()
+    def run(self) -> list[torch.Tensor]:
+        """This layer's outputs for every batch (inputs left as they are)."""
+        self.forwards += 1
+        return [_call_layer(self.layer, b) for b in self.batches]
 
 
 Solver = Callable[[LayerStep], dict]
@@ -222,15 +226,15 @@ def run_sequential(
             layer.to(device)
             step = LayerStep(i, name, layer, linears, batches)
             layer_stats: dict = {}
-            if linears:
-                outputs = None if propagate else step.run()
+            if linears and not propagate:
+                float_outputs = step.run()
                 layer_stats = solve(step) or {}
-                if propagate:
-                    outputs = step.run()
+                for b, out in zip(batches, float_outputs):
+                    b.hidden = out
             else:
-                outputs = step.run()
-            for b, out in zip(batches, outputs):
-                b.hidden = out
+                if linears:
+                    layer_stats = solve(step) or {}
+                step.advance()
             layer.to("cpu")
             layer_stats.update(layer=name, seconds=round(time.perf_counter() - t0, 3))
             stats.append(layer_stats)
