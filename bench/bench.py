@@ -24,6 +24,9 @@ CALIB = DATA / "wikitext-2-valid.txt"
 TEST = DATA / "wikitext-2-raw-test.txt"
 OPTC = [sys.executable, "-m", "optc"]
 RECIPES = ["w4a16-rtn", "w4a16-gptq", "w4a16-awq", "w8a16-gptq"]
+# Pruning rows: each is written in its recipe's own format (dense for prune-only recipes).
+RECIPES += ["prune-2of4-magnitude", "prune-2of4-wanda", "prune-2of4-sparsegpt", "prune-50-wanda",
+            "prune-heads", "sparse-2of4-w4a16"]
 
 
 def run_child(cmd: list[str]) -> tuple[float, float, str]:
@@ -48,36 +51,49 @@ def evaluate(model: str, windows: int) -> float:
     return metrics["perplexity_model"]["perplexity"]
 
 
+def evaluate_hf(model: str, windows: int) -> float:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "hf_ppl.py"), model, str(TEST), "--windows", str(windows)],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--recipes", nargs="*", default=RECIPES)
     ap.add_argument("--windows", type=int, default=40)
-    ap.add_argument("--format", default="compressed-tensors")
+    ap.add_argument("--format", default=None, help="force one export format (default: each recipe's own)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results.md")
     args = ap.parse_args()
     for f in (CALIB, TEST):
         if not f.is_file():
             raise SystemExit(f"missing {f} (set OPTC_DATA to the folder holding WikiText-2)")
-    rows = [("float32 baseline", evaluate("smollm2-135m", args.windows), None, None, None)]
+    rows = [("float32 baseline", evaluate("smollm2-135m", args.windows), None, None, None, None)]
     work = Path(tempfile.mkdtemp(prefix="optc-bench-"))
     try:
         for recipe in args.recipes:
             out_dir = work / recipe
             cmd = [*OPTC, "quantize", "--recipe", recipe, "--dataset", str(CALIB), "--samples", "128",
-                   "--seqlen", "512", "--no-eval", "--format", args.format, "--output", str(out_dir)]
+                   "--seqlen", "512", "--no-eval", "--output", str(out_dir)]
+            cmd += ["--format", args.format] if args.format else []
             seconds, rss, _ = run_child(cmd)
             size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
-            rows.append((recipe, evaluate(str(out_dir), args.windows), seconds, rss, size / 2**20))
+            written = json.loads((out_dir / "report.json").read_text())["checkpoint"]["format"]
+            hf = evaluate_hf(str(out_dir), args.windows) if written.startswith("compressed-tensors") else None
+            rows.append((recipe, evaluate(str(out_dir), args.windows), hf, seconds, rss, size / 2**20))
             print(f"{recipe}: done", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = [
-        "| recipe | perplexity | quantize wall (s) | peak RSS (GB) | checkpoint (MiB) |",
-        "|---|---|---|---|---|",
+        "| recipe | perplexity (optc) | perplexity (transformers) | quantize wall (s) | peak RSS (GB) | checkpoint (MiB) |",
+        "|---|---|---|---|---|---|",
     ]
-    for name, ppl, sec, rss, size in rows:
+    for name, ppl, hf, sec, rss, size in rows:
         fmt = lambda v, d: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
-        lines.append(f"| {name} | {ppl:.2f} | {fmt(sec, 0)} | {fmt(rss, 2)} | {fmt(size, 1)} |")
+        lines.append(
+            f"| {name} | {ppl:.2f} | {fmt(hf, 2)} | {fmt(sec, 0)} | {fmt(rss, 2)} | {fmt(size, 1)} |"
+        )
     table = "\n".join(lines)
     print(table)
     args.out.write_text(table + "\n")

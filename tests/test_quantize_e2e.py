@@ -122,3 +122,38 @@ def test_non_positive_definite_hessian_names_layer(monkeypatch):
         _quantize(model, "gptq", ids)
     for m in model.modules():
         assert not m._forward_hooks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gptq_on_cuda_matches_cpu():
+    ids = tiny_tokens(8, 64)
+    results = {}
+    for device in ("cpu", "cuda"):
+        model = tiny_model("llama")
+        ws = Workspace(model, None, device=device)
+        ws._ids = ids
+        cfg_cls, fn = STAGES["gptq"]
+        fn(ws, cfg_cls.model_validate({"type": "gptq", "scheme": {"bits": 4, "group_size": 32}}))
+        assert next(model.parameters()).device.type == "cpu"  # only the layer visits the GPU
+        results[device] = model.model.layers[1].mlp.down_proj.weight.detach().clone()
+    assert (results["cpu"] - results["cuda"]).abs().max() < 1e-3
+
+
+def test_bfloat16_autocast_calibration_close_to_float():
+    ids = tiny_tokens(16, 64)
+    base = tiny_model("llama")
+    with torch.no_grad():
+        ref = base(ids).logits
+    errors = {}
+    for autocast in ("off", "bfloat16"):
+        model = copy.deepcopy(base)
+        ws = Workspace(model, None)
+        ws.calibration = ws.calibration.model_copy(update={"autocast": autocast})
+        ws._ids = ids
+        cfg_cls, fn = STAGES["gptq"]
+        fn(ws, cfg_cls.model_validate({"type": "gptq", "scheme": {"bits": 3, "group_size": 32}}))
+        errors[autocast] = _logit_error(model, ref, ids)
+    rtn = copy.deepcopy(base)
+    _quantize(rtn, "rtn", ids)
+    assert errors["bfloat16"] < _logit_error(rtn, ref, ids)
+    assert errors["bfloat16"] < 1.5 * errors["off"]

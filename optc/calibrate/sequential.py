@@ -63,9 +63,16 @@ class _Batch:
     kwargs: dict
 
 
-def _call_layer(layer: nn.Module, batch: _Batch) -> torch.Tensor:
-    out = layer(batch.hidden, *batch.args, **batch.kwargs)
-    return out[0] if isinstance(out, tuple) else out
+def _call_layer(layer: nn.Module, batch: _Batch, autocast: torch.dtype | None = None) -> torch.Tensor:
+    if autocast is None:
+        out = layer(batch.hidden, *batch.args, **batch.kwargs)
+    else:
+        # Low-precision matmuls (AMX/tensor cores) for calibration forwards only; the stored
+        # activations stay in the model's dtype.
+        with torch.autocast(batch.hidden.device.type, dtype=autocast):
+            out = layer(batch.hidden, *batch.args, **batch.kwargs)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.to(batch.hidden.dtype)
 
 
 @contextmanager
@@ -135,6 +142,7 @@ class LayerStep:
     linears: dict[str, nn.Module]  # full model names -> modules inside this layer
     batches: list[_Batch]
     forwards: int = field(default=0)
+    autocast: torch.dtype | None = None
 
     @property
     def tokens(self) -> int:
@@ -168,7 +176,7 @@ class LayerStep:
         self.forwards += 1
         with torch.inference_mode(), input_hooks({n: self.linears[n] for n in names}, feed):
             for b in self.batches:
-                _call_layer(self.layer, b)
+                _call_layer(self.layer, b, self.autocast)
                 seen.clear()
         return {**accs, **{n: accs[a] for n, a in alias.items()}}
 
@@ -178,13 +186,13 @@ class LayerStep:
         one extra batch of activations is alive."""
         self.forwards += 1
         for b in self.batches:
-            b.hidden = _call_layer(self.layer, b)
+            b.hidden = _call_layer(self.layer, b, self.autocast)
 
     @torch.inference_mode()
     def run(self) -> list[torch.Tensor]:
         """This layer's outputs for every batch (inputs left as they are)."""
         self.forwards += 1
-        return [_call_layer(self.layer, b) for b in self.batches]
+        return [_call_layer(self.layer, b, self.autocast) for b in self.batches]
 
 
 Solver = Callable[[LayerStep], dict]
@@ -200,6 +208,7 @@ def run_sequential(
     batch_size: int,
     device: torch.device | str = "cpu",
     propagate: bool = True,
+    autocast: torch.dtype | None = None,
     progress: Progress | None = None,
     description: str = "calibrating",
 ) -> list[dict]:
@@ -224,7 +233,7 @@ def run_sequential(
             name = f"{prefix}.{i}"
             linears = {n: m for n, m in chosen.items() if n.startswith(name + ".")}
             layer.to(device)
-            step = LayerStep(i, name, layer, linears, batches)
+            step = LayerStep(i, name, layer, linears, batches, autocast=autocast)
             layer_stats: dict = {}
             if linears and not propagate:
                 float_outputs = step.run()

@@ -1,0 +1,39 @@
+"""Perplexity with plain transformers only (no optc code): the independent reader.
+
+Loads a checkpoint with ``AutoModelForCausalLM.from_pretrained`` (compressed-tensors
+checkpoints decompress through the installed ``compressed-tensors`` package) and computes the
+fixed protocol: the text tokenized whole, the first N non-overlapping windows, exp(mean NLL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("text")
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=40)
+    args = ap.parse_args()
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(args.model)
+    with open(args.text, encoding="utf-8") as fh:
+        ids = tok(fh.read(), add_special_tokens=False, return_tensors="pt").input_ids[0]
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for w in range(args.windows):
+            x = ids[w * args.seqlen : (w + 1) * args.seqlen][None]
+            loss = model(input_ids=x, labels=x).loss  # mean over seqlen - 1 targets
+            nll += float(loss) * (x.shape[1] - 1)
+            count += x.shape[1] - 1
+    print(f"{math.exp(nll / count):.6f}")
+
+
+if __name__ == "__main__":
+    main()
