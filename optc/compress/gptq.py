@@ -85,18 +85,25 @@ def gptq_quantize(
     observer: str = "mse",
     name: str = "",
     refit: bool = True,
+    mask: torch.Tensor | None = None,
+    weighted_grid: bool = True,
 ) -> GPTQResult:
     """Quantize ``W`` ([N, K]) onto ``scheme``, minimising ``||W X - W_hat X||^2``.
 
     ``H`` is the input Hessian ``2 X X^T / n`` (see ``HessianAccumulator``). ``observer``
     (``mse`` or ``minmax``) picks each grid; ``name`` labels logs and errors. ``refit``
     re-solves the scales for the final integer codes (:func:`refit_scales`).
+    ``weighted_grid`` weights each column's error by ``diag(H)`` in the MSE grid search.
 
     ``groups`` (with act-order): ``static`` fixes every grid from ``W`` before the sweep;
     ``lazy`` keeps groups as contiguous runs of columns but chooses each grid from the
     error-updated weights when the sweep first reaches the group (any runtime can load it);
     ``permuted`` forms groups along the processing order (AutoGPTQ ``desc_act``; needs a
     ``g_idx`` permutation on disk).
+
+    ``mask`` ([N, K] bool, ``True`` = kept) quantizes only the kept weights of a pruned
+    layer: pruned ones are forced to exactly 0 during the sweep (0 is on every grid) and
+    their error is propagated like any rounding error, as SparseGPT's joint mode does.
     """
     t0 = time.perf_counter()
     n, k = W.shape
@@ -116,6 +123,15 @@ def gptq_quantize(
     H[dead, dead] = 1
     Wf[:, dead] = 0
     H_orig = H.clone() if refit else None
+    # Column importance for the grid search: the input energy diag(H), in processing order
+    # once permuted below (the activation-aware objective of llama.cpp's imatrix).
+    imp = torch.diag(H).clone() if weighted_grid else None
+    keep = None
+    if mask is not None:
+        if mask.shape != W.shape:
+            raise ValueError(f"GPTQ {name}: mask {tuple(mask.shape)} does not match weight {tuple(W.shape)}")
+        keep = mask.to(dev, torch.bool)
+        Wf = Wf * keep
 
     num_groups = scheme.num_groups(k)
     scale = torch.ones(n, num_groups, device=dev)
@@ -127,7 +143,7 @@ def gptq_quantize(
     if not grouped or static_groups:
         # Per-channel, or static groups: the grid is fixed before any error feedback, so
         # act-order only changes the processing order and g_idx stays contiguous.
-        p0 = choose_qparams(Wf, scheme, observer)
+        p0 = choose_qparams(Wf, scheme, observer, importance=imp)
         scale, zero = p0.scale.float(), p0.zero
 
     # Act-order (the authors' later heuristic, not in the paper, where §4 Step 1 finds order
@@ -137,6 +153,10 @@ def gptq_quantize(
     if perm is not None:
         Wf = Wf[:, perm]
         H = H[perm][:, perm]
+        if imp is not None:
+            imp = imp[perm]
+        if keep is not None:
+            keep = keep[:, perm]
 
     # Group of each processing position: fixed groups follow the original column, dynamic
     # ones are formed along the processing order (AutoGPTQ's act-order layout).
@@ -183,7 +203,13 @@ def gptq_quantize(
                 part = [W1[:, inside - i1]]
                 if later.numel():
                     part.append(Wf[:, later] - Err1 @ Hinv[i1:i2, later])
-                p = choose_qparams(torch.cat(part, dim=1), scheme, observer)
+                if keep is not None:
+                    # Pruned weights will be 0 whatever they drifted to; the grid is for the rest.
+                    part = [p_ * keep[:, idx] for p_, idx in zip(part, (inside, later))]
+                p = choose_qparams(
+                    torch.cat(part, dim=1), scheme, observer,
+                    importance=None if imp is None else imp[torch.cat([inside, later])],
+                )
                 scale[:, gi], zero[:, gi] = p.scale[:, 0], p.zero[:, 0]
                 zf[:, gi] = zero[:, gi].float()
                 chosen.add(gi)
@@ -195,6 +221,8 @@ def gptq_quantize(
             w = W1[:, i]
             d = Hinv1[i, i]
             q = quantize_column(w, s_col, z_col, scheme)
+            if keep is not None:
+                q = q.masked_fill(~keep[:, col], 0.0)
             Q1[:, i] = q
             err = (w - q) / d
             W1[:, i + 1 :] -= err.unsqueeze(1) * Hinv1[i, i + 1 :].unsqueeze(0)

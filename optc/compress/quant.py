@@ -159,14 +159,22 @@ def quantize_column(
 
 
 def _shrink_errors(
-    w3: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, p: torch.Tensor, scheme: QuantScheme, norm: float
+    w3: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    p: torch.Tensor,
+    scheme: QuantScheme,
+    norm: float,
+    imp3: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Error, scale and zero of each candidate shrink ``p`` ([N, G, P]) per (row, group)."""
     scale, zero = params_from_range(lo[..., None] * p, hi[..., None] * p, scheme)
     s4, z4 = scale[..., None], zero[..., None].float()
     q = (torch.round(w3 / s4) + z4).clamp_(scheme.qmin, scheme.qmax)
-    err = ((q - z4) * s4 - w3).abs_().pow_(norm).sum(dim=-1)
-    return err, scale, zero
+    err = ((q - z4) * s4 - w3).abs_().pow_(norm)
+    if imp3 is not None:
+        err = err * imp3
+    return err.sum(dim=-1), scale, zero
 
 
 def mse_clip_search(
@@ -176,6 +184,7 @@ def mse_clip_search(
     max_shrink: float = 0.8,
     norm: float = 2.4,
     coarse: int = 5,
+    importance: torch.Tensor | None = None,
 ) -> QuantParams:
     """Per-(row, group) range shrink that minimises ``sum |w - Q(w)|^norm``.
 
@@ -183,6 +192,8 @@ def mse_clip_search(
     down to ``1 - max_shrink``, error norm 2.4), searched coarse-to-fine: every ``coarse``-th
     factor first, then every factor within ``coarse`` steps of each (row, group)'s best. That
     evaluates about a quarter of the grid, on a ``[N, G, g]`` view without index expansion.
+    ``importance`` ([K], e.g. the input Hessian's diagonal) weights each column's error, so
+    the grid favours the inputs that carry the most energy (an activation-aware objective).
     """
     w = w.float()
     n, k = w.shape
@@ -190,24 +201,36 @@ def mse_clip_search(
     groups = math.ceil(k / g)
     # Zero padding adds no error: 0 is always exactly representable (integer zero point).
     w3 = torch.nn.functional.pad(w, (0, groups * g - k)).reshape(n, groups, 1, g)
+    imp3 = None
+    if importance is not None:
+        imp = importance.float().to(w.device) / importance.float().mean().clamp_min(1e-12)
+        imp3 = torch.nn.functional.pad(imp, (0, groups * g - k)).reshape(1, groups, 1, g)
     lo, hi = _grouped_minmax(w, scheme)
     steps = int(max_shrink * grid)
     first = torch.arange(0, steps + 1, coarse, dtype=torch.float32, device=w.device)
-    err, _, _ = _shrink_errors(w3, lo, hi, (1.0 - first / grid).expand(n, groups, -1), scheme, norm)
+    err, _, _ = _shrink_errors(
+        w3, lo, hi, (1.0 - first / grid).expand(n, groups, -1), scheme, norm, imp3
+    )
     centre = first[err.argmin(dim=-1)]  # [N, G]
     offsets = torch.arange(-coarse + 1, coarse, dtype=torch.float32, device=w.device)
     idx = (centre[..., None] + offsets).clamp(0, steps)
-    err, scale, zero = _shrink_errors(w3, lo, hi, 1.0 - idx / grid, scheme, norm)
+    err, scale, zero = _shrink_errors(w3, lo, hi, 1.0 - idx / grid, scheme, norm, imp3)
     pick = err.argmin(dim=-1, keepdim=True)
     best_scale = scale.gather(-1, pick)[..., 0]
     best_zero = zero.gather(-1, pick)[..., 0]
     return QuantParams(scheme, best_scale, best_zero, default_g_idx(k, scheme).to(w.device))
 
 
-def choose_qparams(w: torch.Tensor, scheme: QuantScheme, observer: str = "minmax") -> QuantParams:
-    """Pick parameters for a whole weight with the named observer (``minmax`` or ``mse``)."""
+def choose_qparams(
+    w: torch.Tensor,
+    scheme: QuantScheme,
+    observer: str = "minmax",
+    importance: torch.Tensor | None = None,
+) -> QuantParams:
+    """Pick parameters for a whole weight with the named observer (``minmax`` or ``mse``;
+    ``importance`` weights columns in the MSE search)."""
     if observer == "minmax":
         return compute_qparams(w, scheme)
     if observer == "mse":
-        return mse_clip_search(w, scheme)
+        return mse_clip_search(w, scheme, importance=importance)
     raise ValueError(f"unknown weight observer {observer!r} (expected 'minmax' or 'mse')")
