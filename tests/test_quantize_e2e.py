@@ -111,7 +111,7 @@ def test_non_positive_definite_hessian_names_layer(monkeypatch):
     model = tiny_model("llama")
 
     class Broken:
-        def __init__(self, k: int) -> None:
+        def __init__(self, k: int, **_: object) -> None:
             self.H = -torch.eye(k)
 
         def add(self, x: torch.Tensor) -> None:
