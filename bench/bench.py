@@ -27,6 +27,9 @@ RECIPES = ["w4a16-rtn", "w4a16-gptq", "w4a16-awq", "w8a16-gptq"]
 # Pruning rows: each is written in its recipe's own format (dense for prune-only recipes).
 RECIPES += ["prune-2of4-magnitude", "prune-2of4-wanda", "prune-2of4-sparsegpt", "prune-50-wanda",
             "prune-heads", "sparse-2of4-w4a16"]
+# W8A8 rows: one per static activation observer, then SmoothQuant, then the default int8.
+RECIPES += ["int8-minmax", "int8-moving-minmax", "int8-percentile", "int8-mse", "int8-kl",
+            "int8-smoothquant", "int8"]
 
 
 def run_child(cmd: list[str]) -> tuple[float, float, str]:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from optc.errors import OptcError
@@ -88,7 +89,7 @@ def _load_gguf(path: Path, dtype: torch.dtype):
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    except ValueError as exc:
+    except (ValueError, IndexError) as exc:  # a truncated file fails inside gguf's numpy views
         raise OptcError(f"cannot load GGUF file {path}: {exc}") from exc
     _strip_gguf_marks(model)
     return model, tokenizer
@@ -124,11 +125,14 @@ def _quant_method(path: Path | str) -> str | None:
     return qc.get("quant_method")
 
 
-def _load_pack_quantized(path: Path, dtype: torch.dtype):
-    """optc's own reader: the float model with exactly the checkpoint's dequantized weights."""
+def _load_pack_quantized(path: Path, dtype: torch.dtype, read=None):
+    """optc's own reader: the float model with exactly the checkpoint's dequantized weights.
+
+    ``read`` (directory -> state dict, qparams) picks the format's reader; pack-quantized by default.
+    """
     from optc.export.compressed_tensors import read_pack_quantized
 
-    state, qparams = read_pack_quantized(path)
+    state, qparams = (read or read_pack_quantized)(path)
     config = AutoConfig.from_pretrained(path)
     del config.quantization_config
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -147,15 +151,54 @@ def _load_pack_quantized(path: Path, dtype: torch.dtype):
     return model, qparams
 
 
+def _load_compressed_tensors(path: Path, dtype: torch.dtype):
+    """pack-quantized and int-quantized (W8A8) alike; stored activation scales are attached
+    again, so the model evaluates with its activations quantized as a runtime would."""
+    from optc.compress.actquant import attach_input_quant
+    from optc.export.compressed_tensors import read_compressed_tensors
+
+    input_quant: dict = {}
+
+    def read(directory: Path):
+        state, qparams, found = read_compressed_tensors(directory)
+        input_quant.update(found)
+        return state, qparams
+
+    model, qparams = _load_pack_quantized(path, dtype, read)
+    for name, iq in input_quant.items():
+        attach_input_quant(model.get_submodule(name), iq)
+    return model, qparams
+
+
 def _load_dir(path: Path | str, dtype: torch.dtype, trust_remote_code: bool):
     qparams: dict = {}
-    if _quant_method(path) == "compressed-tensors":
-        model, qparams = _load_pack_quantized(Path(path), dtype)
+    method = _quant_method(path)
+    if method == "compressed-tensors":
+        model, qparams = _load_compressed_tensors(Path(path), dtype)
+    elif method in ("gptq", "awq"):
+        # optc's own GPTQ/AWQ readers (unpack + dequantize): no optimum/gptqmodel/autoawq needed.
+        from optc.export.awq_format import read_awq
+        from optc.export.gptq_format import read_gptq
+
+        model, qparams = _load_pack_quantized(Path(path), dtype, read_gptq if method == "gptq" else read_awq)
     else:
         kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model, tokenizer, qparams
+
+
+def _unreadable_file(path: Path | None) -> Path | None:
+    """The first safetensors file of a checkpoint directory whose header cannot be read."""
+    if path is None or not path.is_dir():
+        return None
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt"):
+                pass
+        except (SafetensorError, OSError):
+            return f
+    return None
 
 
 def load_model(
@@ -179,9 +222,16 @@ def load_model(
             model, tokenizer = _load_gguf(path, torch_dtype)
             qparams = {}
         elif path.exists():
-            if not (path / "config.json").is_file():
+            ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+            if not (path / "config.json").is_file() and len(ggufs) == 1:
+                # A directory optc exported as GGUF: one .gguf file, no config.json.
+                path = ggufs[0]
+                model, tokenizer = _load_gguf(path, torch_dtype)
+                qparams = {}
+            elif not (path / "config.json").is_file():
                 raise OptcError(f"{path} is not a Hugging Face model directory (no config.json)")
-            model, tokenizer, qparams = _load_dir(path, torch_dtype, trust_remote_code)
+            else:
+                model, tokenizer, qparams = _load_dir(path, torch_dtype, trust_remote_code)
         elif source.count("/") == 1 and not source.startswith((".", "/", "~")):
             path = None
             model, tokenizer, qparams = _load_dir(source, torch_dtype, trust_remote_code)
@@ -189,6 +239,9 @@ def load_model(
             raise OptcError(f"model not found: {source!r} is neither a path nor a built-in model")
     except OSError as exc:
         raise OptcError(f"cannot load model {source!r}: {str(exc).splitlines()[0]}") from exc
+    except SafetensorError as exc:
+        raise OptcError(f"cannot load model {source!r}: {_unreadable_file(path) or 'a weights file'} "
+                        f"is corrupt or truncated ({exc})") from None
     model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -8,12 +8,20 @@ from pathlib import Path
 
 import torch
 
-from optc.data import check_disjoint, evaluation_tokens
+from optc.compress.actquant import input_quant_of
+from optc.data import check_disjoint
 from optc.errors import OptcError
 from optc.evaluate.perplexity import perplexity
 from optc.evaluate.report import new_report, write_report
-from optc.export.compressed_tensors import write_pack_quantized
+from optc.evaluate.gates import check_gates, parse_gates, require_measurable
+from optc.evaluate.perplexity import PerplexityResult, evaluation_token_cache, paired_difference
+from optc.evaluate.report import layer_statistics, stage_layer_info
+from optc.evaluate.size import size_metrics
+from optc.export.compressed_tensors import write_int_quantized, write_pack_quantized
+from optc.export.compressed_tensors import sparsity_config, write_sparsity_config
 from optc.export.checkpoint import check_output, directory_bytes, staged_output, write_dense
+from optc.export.convert import FORMATS as CONVERT_FORMATS
+from optc.export.convert import check_recipe_export, export_model
 from optc.models import load_model
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
@@ -25,7 +33,7 @@ log = logging.getLogger(__name__)
 def _stage_summary(stats: dict) -> str:
     modules = stats.get("modules", {})
     if not modules:
-        return ""
+        return "; ".join(stats.get("notes", []))  # stages without per-Linear stats (structured)
     parts = [f"{len(modules)} Linears"]
     errs = [m["rel_error"] for m in modules.values() if "rel_error" in m]
     if errs:
@@ -35,6 +43,7 @@ def _stage_summary(stats: dict) -> str:
     sp = [m["sparsity"] for m in modules.values() if "sparsity" in m]
     if sp:
         parts.append(f"mean sparsity {sum(sp) / len(sp):.3f}")
+    parts += stats.get("notes", [])  # stage-specific lines (e.g. the activation scheme used)
     return "; ".join(parts)
 
 
@@ -59,11 +68,15 @@ def run_recipe(
     device: str = "cpu",
     trust_remote_code: bool = False,
     progress: Progress | None = None,
+    gates: list[str] | None = None,
 ) -> dict:
     """Apply ``recipe`` and write the checkpoint (with recipe and report) to ``output``."""
     progress = progress or NullProgress()
+    gate_list = _recipe_gates(recipe, gates, output)  # parsed before any work
+    t_start = time.perf_counter()
     if output is not None:
         check_output(output, overwrite)
+        check_recipe_export(recipe)  # an impossible export is refused before any calibration
     torch.manual_seed(recipe.calibration.seed)
     if recipe.evaluation is not None:
         check_disjoint(recipe.calibration.dataset, recipe.evaluation.dataset)
@@ -71,10 +84,11 @@ def run_recipe(
     if output is not None and loaded.path is not None:
         check_output(output, overwrite, protect=loaded.path)
     report = new_report(loaded.source, recipe.model_dump(mode="json"))
+    report["timings"]["load"] = round(time.perf_counter() - t_start, 3)
     model = loaded.model
     tokens = None
     if recipe.evaluation is not None:
-        tokens = evaluation_tokens(loaded.tokenizer, recipe.evaluation.dataset)
+        tokens = evaluation_token_cache(loaded.tokenizer, recipe.evaluation.dataset)
         if recipe.evaluation.baseline:
             report["metrics"]["perplexity_baseline"] = _evaluate(model, tokens, recipe.evaluation, progress)
 
@@ -95,19 +109,50 @@ def run_recipe(
     report["metrics"].update(count_parameters(model))
     if recipe.evaluation is not None:
         report["metrics"]["perplexity_compressed"] = _evaluate(model, tokens, recipe.evaluation, progress)
+    _add_eval_details(report, model)
 
     if output is not None:
         with staged_output(output, overwrite, protect=loaded.path) as tmp:
             fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
+            if ws.masks and recipe.export.sparsity_metadata and fmt.split("/")[0] in ("dense", "compressed-tensors"):
+                write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
             (tmp / "recipe.yaml").write_text(recipe.to_yaml())
             report["checkpoint"] = {"path": str(output), "format": fmt, "bytes": directory_bytes(tmp)}
+            report["metrics"]["size"] = size_metrics(ws.model, tmp)
+            report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
             write_report(report, tmp)
+    else:
+        report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
     return report
+
+
+def _recipe_gates(recipe: Recipe, extra: list[str] | None, output: Path | None) -> list:
+    """The recipe's ``gates:`` plus command-line ones, refused early if not measurable."""
+    gate_list = parse_gates(list(getattr(recipe, "gates", None) or []) + list(extra or []))
+    available = {"size"} if output is not None else set()
+    if recipe.evaluation is not None:
+        available |= {"eval"} | ({"baseline"} if recipe.evaluation.baseline else set())
+    require_measurable(gate_list, available)
+    return gate_list
+
+
+def _add_eval_details(report: dict, model: torch.nn.Module) -> None:
+    """Paired perplexity change, per-layer statistics and per-stage timings of a run."""
+    metrics = report["metrics"]
+    base, comp = metrics.get("perplexity_baseline"), metrics.get("perplexity_compressed")
+    if base and comp:
+        metrics["perplexity_change"] = paired_difference(PerplexityResult(**base), PerplexityResult(**comp))
+        report["timings"]["baseline_eval"], report["timings"]["eval"] = base["seconds"], comp["seconds"]
+    for i, st in enumerate(report["stages"]):
+        report["timings"][f"stage {i}: {st['type']}"] = st["seconds"]
+    report["layers"] = layer_statistics(model, *stage_layer_info(report["stages"]))
 
 
 def export_checkpoint(ws: Workspace, fmt: str, directory: Path, max_shard_size: str) -> str:
     """Write the workspace's model in ``fmt``; returns the format name written."""
     if fmt == "dense":
+        if input_quant_of(ws.model):
+            log.warning("dense format keeps the fake-quantized weights but not the activation scales")
         write_dense(ws.model, ws.tokenizer, directory, max_shard_size)
         return "dense"
     if fmt == "compressed-tensors":
@@ -116,9 +161,23 @@ def export_checkpoint(ws: Workspace, fmt: str, directory: Path, max_shard_size: 
                 "export format compressed-tensors needs quantized weights; this recipe quantizes "
                 "nothing (use format: dense)"
             )
+        input_quant = input_quant_of(ws.model)
+        if input_quant:  # W8A8: the sub-format follows from what was quantized
+            info = write_int_quantized(
+                ws.model, ws.qparams, input_quant, directory, max_shard_bytes=parse_size(max_shard_size)
+            )
+            ws.tokenizer.save_pretrained(directory)
+            return f"compressed-tensors/{info['format']}"
         write_pack_quantized(ws.model, ws.qparams, directory, max_shard_bytes=parse_size(max_shard_size))
         ws.tokenizer.save_pretrained(directory)
         return "compressed-tensors/pack-quantized"
+    if fmt in CONVERT_FORMATS:
+        if input_quant_of(ws.model):
+            raise OptcError(f"export format {fmt} stores weight-only quantization; this recipe also "
+                            "quantizes activations (use compressed-tensors)")
+        info = export_model(ws.model, ws.tokenizer, ws.qparams, fmt, directory,
+                            max_shard_bytes=parse_size(max_shard_size))
+        return info["format"]
     raise OptcError(f"export format {fmt!r} is not available")
 
 
@@ -147,29 +206,39 @@ def evaluate_model(
     output: Path | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
+    gates: list[str] | None = None,
+    latency: bool = False,
+    kernel: str = "auto",
+    prompt_tokens: int = 128,
+    new_tokens: int = 32,
+    repeats: int = 5,
+    threads: int | None = None,
+    tasks: list[str] | None = None,
+    cache: bool = True,
 ) -> dict:
-    """Perplexity of a model (and optionally a baseline) with a report."""
+    """Perplexity, KL to a baseline, size and latency of a model, with a report (and gates)."""
+    from optc.evaluate.gates import parse_gates
+    from optc.evaluate.latency import KERNEL_CHOICES
+    from optc.evaluate.suite import EvalOptions, run_evaluation, timed
+
     progress = progress or NullProgress()
+    opts = EvalOptions(  # gates parse first: a typo fails before any model loads
+        gates=parse_gates(gates), dataset=dataset, seqlen=seqlen, windows=windows, stride=stride,
+        batch_size=batch_size, cache=cache, latency=latency, kernel=kernel,
+        prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats, threads=threads,
+        tasks=list(tasks or []),
+    )
+    if kernel not in KERNEL_CHOICES:
+        raise OptcError(f"unknown kernel {kernel!r} (expected one of {', '.join(KERNEL_CHOICES)})")
     if output is not None:
         check_output(output, overwrite)
-    cfg = EvaluationConfig(
-        dataset=dataset, seqlen=seqlen, windows=windows, stride=stride, batch_size=batch_size
-    )
-    loaded = load_model(source)
-    report = new_report(loaded.source)
-    tokens = evaluation_tokens(loaded.tokenizer, dataset)
-    if baseline is not None:
-        base = load_model(baseline)
-        if base.tokenizer.get_vocab() != loaded.tokenizer.get_vocab():
-            raise OptcError(f"baseline {baseline!r} uses a different tokenizer than {loaded.source!r}")
-        report["metrics"]["perplexity_baseline"] = _evaluate(base.model, tokens, cfg, progress)
-        del base
-    report["metrics"]["perplexity_compressed" if baseline else "perplexity_model"] = _evaluate(
-        loaded.model, tokens, cfg, progress
-    )
-    report["metrics"].update(count_parameters(loaded.model))
-    if loaded.path is not None and loaded.path.is_dir():
-        report["metrics"]["bytes_on_disk"] = directory_bytes(loaded.path)
+    EvaluationConfig(dataset=dataset, seqlen=seqlen, windows=windows, stride=stride, batch_size=batch_size)
+    report = new_report(source or "smollm2-135m", command="eval")
+    with timed(report["timings"], "load"):
+        loaded = load_model(source)
+        base = load_model(baseline) if baseline is not None else None
+    report["model"], report["baseline"] = loaded.source, base.source if base is not None else None
+    run_evaluation(loaded, base, opts, report, progress)
     if output is not None:
         with staged_output(output, overwrite) as tmp:
             write_report(report, tmp)

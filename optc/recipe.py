@@ -7,14 +7,14 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
 from optc.stages import STAGES
 
 RECIPE_VERSION = 1
-EXPORT_FORMATS = ("dense", "compressed-tensors")
+EXPORT_FORMATS = ("dense", "compressed-tensors", "gptq", "awq", "gguf-q4_0", "gguf-q8_0", "gguf-f16")
 
 StageConfig = Annotated[
     Union[tuple(cfg for cfg, _ in STAGES.values())],  # noqa: UP007 - built from the registry
@@ -36,8 +36,11 @@ class EvaluationConfig(BaseModel):
 class ExportConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["dense", "compressed-tensors"] = "dense"
+    format: Literal["dense", "compressed-tensors", "gptq", "awq", "gguf-q4_0", "gguf-q8_0", "gguf-f16"] = "dense"
     max_shard_size: str = "2GB"
+    sparsity_metadata: bool = Field(
+        True, description="pruned models: add compressed-tensors' sparsity_config to config.json"
+    )
 
 
 class Recipe(BaseModel):
@@ -52,6 +55,22 @@ class Recipe(BaseModel):
     stages: list[StageConfig] = Field(default_factory=list)
     evaluation: EvaluationConfig | None = Field(default_factory=EvaluationConfig)
     export: ExportConfig = Field(default_factory=ExportConfig)
+    gates: list[str] = Field(
+        default_factory=list,
+        description="CI gates checked after the run, e.g. 'ppl_increase<=5%' (exit code 3 on failure)",
+    )
+
+    @field_validator("gates")
+    @classmethod
+    def _valid_gates(cls, v: list[str]) -> list[str]:
+        from optc.evaluate.gates import parse_gate
+
+        for text in v:
+            try:
+                parse_gate(text)
+            except OptcError as exc:
+                raise ValueError(str(exc)) from None
+        return v
 
     def to_yaml(self) -> str:
         data = self.model_dump(mode="json", exclude_none=False)

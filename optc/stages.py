@@ -9,20 +9,30 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optc.calibrate.hessian import HessianAccumulator
 from optc.calibrate.modules import check_patterns, select_linears, set_weight_2d, weight_2d
+from optc.calibrate.modules import find_decoder_layers
+from optc.calibrate.observers import ActivationStats, MinMaxObserver
 from optc.calibrate.sequential import LayerStep, run_sequential
-from optc.calibrate.stats import InputSampler
+from optc.calibrate.stats import FeatureNormAccumulator, InputSampler
+from optc.compress.actquant import (
+    ActivationScheme,
+    attach_input_quant,
+    calibration_summary,
+    observer_ranges,
+    solve_input_quant,
+)
 from optc.compress.awq import apply_scale, awq_search_clip, awq_search_scale, resolve_mappings
 from optc.compress.gptq import gptq_quantize
-from optc.compress.masks import nm_mask, parse_pattern, unstructured_mask
+from optc.compress.masks import nm_mask, nm_violations, parse_pattern, unstructured_mask
+from optc.compress.owl import outlier_ratio, owl_sparsities
 from optc.compress.quant import (
     QuantParams,
     QuantScheme,
@@ -30,6 +40,21 @@ from optc.compress.quant import (
     compute_qparams,
     fake_quantize,
 )
+from optc.compress.smoothquant import fold_smoothing, smoothing_mappings, smoothquant_scale
+from optc.compress.sparsegpt import masked_least_squares, sparsegpt_prune
+from optc.compress.structured import (
+    apply_plan_to_config,
+    channel_importance,
+    forward_latency,
+    head_importance,
+    keep_lowest_removed,
+    plan_structured,
+    prune_attention_heads,
+    prune_mlp_channels,
+    reconstruct,
+    select_heads,
+)
+from optc.compress.wanda import wanda_mask, wanda_scores
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
 from optc.progress import NullProgress, Progress
@@ -157,13 +182,17 @@ def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
 
     def solve(step: LayerStep) -> dict:
         names = [n for n in step.linears if cfg.scheme_for(n) is not None]
-        accs = step.collect(names, lambda n, m: HessianAccumulator(weight_2d(m).shape[1]))
+        dtype = ws.calibration.autocast_dtype()
+        accs = step.collect(
+            names, lambda n, m: HessianAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype)
+        )
         for name in names:
             module = step.linears[name]
             res = gptq_quantize(
                 weight_2d(module).detach(), accs[name].H, cfg.scheme_for(name),
                 block_size=cfg.block_size, dampening=cfg.dampening, actorder=cfg.actorder,
                 groups=cfg.groups, observer=cfg.observer, name=name, refit=cfg.refit_scales,
+                mask=ws.masks.get(name),  # a pruned layer: quantize only the kept weights
             )
             stats = _record_quantized(ws, name, module, res.weight, res.params)
             per_module[name] = {**stats, "gptq_loss": round(res.loss, 6)}
@@ -240,7 +269,7 @@ def _run_calibration(ws: Workspace, cfg: _Stage, solve, description: str) -> lis
         ws.model, ws.calibration_ids(), solve,
         targets=cfg.targets, ignore=cfg.ignore,
         batch_size=ws.calibration.resolved_batch_size(), device=ws.device,
-        progress=ws.progress, description=description,
+        autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description=description,
     )
 
 
@@ -293,7 +322,457 @@ def run_magnitude(ws: Workspace, cfg: MagnitudeStage) -> dict:
         masks = {name: unstructured_mask(s, cfg.sparsity) for name, s in scores.items()}
     with torch.no_grad():
         per_module = {name: apply_mask(ws, name, linears[name], mk) for name, mk in masks.items()}
-    return {"modules": per_module}
+    nm = parse_pattern(cfg.pattern) if cfg.pattern else None
+    return {"modules": per_module, **sparsity_summary(ws.model, linears, nm)}
+
+
+# --- SmoothQuant and W8A8 ------------------------------------------------------------------
+
+
+class SmoothQuantStage(_Stage):
+    """SmoothQuant (Xiao et al. 2022): migrate activation outliers into the weights, folded
+    into the preceding norm so the float model is unchanged."""
+
+    type: Literal["smoothquant"]
+    alpha: float = Field(0.5, ge=0, le=1, description="migration strength, in [0, 1]")
+    scope: Literal["norms", "all"] = Field(
+        "norms", description="norms: fold into the norms before q/k/v and the MLP (the paper); "
+        "all: also v -> o and up -> down"
+    )
+
+
+def run_smoothquant(ws: Workspace, cfg: SmoothQuantStage) -> dict:
+    per_module: dict[str, dict] = {}
+
+    def solve(step: LayerStep) -> dict:
+        mappings = smoothing_mappings(step.layer, step.name, cfg.scope)
+        groups = [[f"{step.name}.{n}" for n in m.linear_names] for m in mappings]
+        # Only pairs whose Linears are all targeted: scaling an untouched Linear gains nothing.
+        chosen = [(m, g) for m, g in zip(mappings, groups) if all(n in step.linears for n in g)]
+        names = sorted({n for _, g in chosen for n in g})
+        accs = step.collect(names, lambda n, m: MinMaxObserver(weight_2d(m).shape[1]))
+        for m, group in chosen:
+            act = accs[group[0]].absmax
+            s = smoothquant_scale(act, [weight_2d(lin) for lin in m.linears], cfg.alpha)
+            fold_smoothing(step.name, m, s)
+            after = float((act / s).max())
+            for n in group:
+                per_module[n] = {
+                    "smoothed_by": f"{step.name}.{m.prev_name}",
+                    "act_absmax": round(float(act.max()), 6),
+                    "act_absmax_smoothed": round(after, 6),
+                }
+        return {}
+
+    layers = _run_calibration(ws, cfg, solve, "smoothquant")
+    notes = []
+    if per_module:
+        ratio = [v["act_absmax"] / max(v["act_absmax_smoothed"], 1e-12) for v in per_module.values()]
+        notes.append(f"alpha {cfg.alpha:g}; input abs-max shrunk {min(ratio):.1f}x to {max(ratio):.1f}x")
+    return {"modules": per_module, "layers": layers, "notes": notes}
+
+
+class ActivationOverride(BaseModel):
+    """Mixed precision for activations: Linears matching ``pattern`` get ``activations``
+    (null: their inputs stay 16-bit, the weights are still quantized)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pattern: str
+    activations: ActivationScheme | None
+
+    @field_validator("pattern")
+    @classmethod
+    def _valid_regex(cls, v: str) -> str:
+        check_patterns([v], "activation override")
+        return v
+
+
+class W8A8Stage(_WeightQuantStage):
+    """Int8 weights (GPTQ or RTN, per channel) and int8 activations (static calibrated or
+    dynamic scales), with activations really fake-quantized from then on."""
+
+    type: Literal["w8a8"]
+    scheme: QuantScheme = QuantScheme(bits=8, symmetric=True, group_size=None)
+    method: Literal["gptq", "rtn"] = Field("gptq", description="weight rounding")
+    weight_observer: Literal["minmax", "mse"] = "mse"
+    dampening: float = Field(0.01, gt=0, description="GPTQ: fraction of mean diag(H) added to H")
+    actorder: bool = Field(True, description="GPTQ: quantize columns by decreasing Hessian diagonal")
+    activations: ActivationScheme = ActivationScheme()
+    activation_overrides: list[ActivationOverride] = Field(default_factory=list)
+    sample_tokens: int = Field(2048, gt=0, description="token rows kept per input to measure SQNR")
+
+    def activations_for(self, name: str) -> ActivationScheme | None:
+        for o in self.activation_overrides:
+            if re.search(o.pattern, name):
+                return o.activations
+        return self.activations
+
+
+def run_w8a8(ws: Workspace, cfg: W8A8Stage) -> dict:
+    per_module: dict[str, dict] = {}
+    gptq = cfg.method == "gptq"
+
+    def solve(step: LayerStep) -> dict:
+        names = [n for n in step.linears if cfg.scheme_for(n) is not None]
+
+        def make(_name: str, module: torch.nn.Module) -> ActivationStats:
+            k = weight_2d(module).shape[1]
+            extra = (HessianAccumulator(k),) if gptq else ()
+            return ActivationStats(
+                k, step.tokens, averaging_constant=cfg.activations.averaging_constant,
+                sample_tokens=cfg.sample_tokens, seed=ws.calibration.seed, extra=extra,
+            )
+
+        accs = step.collect(names, make)
+        ranges: dict[tuple[int, ActivationScheme], dict] = {}  # shared inputs: solved once
+        for name in names:
+            module, acc, scheme = step.linears[name], accs[name], cfg.scheme_for(name)
+            w = weight_2d(module).detach().clone()
+            if gptq:
+                res = gptq_quantize(
+                    w, acc.extra[0].H, scheme, dampening=cfg.dampening, actorder=cfg.actorder,
+                    observer=cfg.weight_observer, name=name,
+                )
+                w_hat, p = res.weight, res.params
+            else:
+                p = choose_qparams(w, scheme, cfg.weight_observer)
+                w_hat = fake_quantize(w, p)
+            stats = _record_quantized(ws, name, module, w_hat, p)
+            act = cfg.activations_for(name)
+            if act is not None:
+                iq = solve_input_quant(act, acc)
+                attach_input_quant(module, iq)
+                stats.update(calibration_summary(iq, acc, w, w_hat))
+                if not act.dynamic:
+                    key = (id(acc), act)
+                    if key not in ranges:
+                        ranges[key] = observer_ranges(acc, act)
+                    stats["ranges"] = ranges[key]
+            else:
+                stats["activations"] = "16-bit"
+            per_module[name] = stats
+        return {}
+
+    layers = _run_calibration(ws, cfg, solve, "w8a8")
+    return {"modules": per_module, "layers": layers, "notes": _w8a8_notes(per_module)}
+
+
+def _w8a8_notes(per_module: dict[str, dict]) -> list[str]:
+    """One line per activation scheme used, and the Linear that loses most."""
+    schemes: dict[str, int] = {}
+    for m in per_module.values():
+        schemes[m["activations"]] = schemes.get(m["activations"], 0) + 1
+    notes = [f"activations {label} on {count} Linears" for label, count in schemes.items()]
+    sqnr = {n: m["output_sqnr_db"] for n, m in per_module.items() if m.get("output_sqnr_db") is not None}
+    if sqnr:
+        worst = min(sqnr, key=sqnr.get)
+        notes.append(
+            f"output SQNR mean {sum(sqnr.values()) / len(sqnr):.1f} dB, "
+            f"worst {worst} {sqnr[worst]:.1f} dB"
+        )
+    return notes
+
+
+# --- Wanda and SparseGPT pruning ---------------------------------------------------------
+
+
+class LayerSparsity(BaseModel):
+    """Per-layer sparsity: Linears whose name matches ``pattern`` are pruned to ``sparsity``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    pattern: str
+    sparsity: float = Field(ge=0, lt=1)
+
+    @field_validator("pattern")
+    @classmethod
+    def _valid_regex(cls, v: str) -> str:
+        check_patterns([v], "sparsity override")
+        return v
+
+
+class _CalibratedPruneStage(_Stage):
+    sparsity: float = Field(0.5, ge=0, lt=1, description="unstructured sparsity of each Linear")
+    pattern: str | None = Field(None, description="N:M along the input dimension, e.g. 2:4; overrides sparsity")
+    allocation: Literal["uniform", "owl"] = Field(
+        "uniform", description="unstructured: the same sparsity in every layer, or OWL's "
+        "outlier-weighted per-layer sparsity with the same mean",
+    )
+    owl_lambda: float = Field(0.08, ge=0, lt=0.5, description="OWL: layers within sparsity +- lambda")
+    owl_threshold: float = Field(5.0, gt=0, description="OWL: an outlier scores above this times the layer mean")
+    overrides: list[LayerSparsity] = Field(
+        default_factory=list, description="per-Linear sparsity, first matching pattern wins (e.g. lower in layers.0.)"
+    )
+    sequential: bool = Field(
+        False, description="prune a layer's Linears in execution order, each calibrated on the "
+        "outputs of the ones already pruned (one more layer forward per group)",
+    )
+
+    @field_validator("pattern")
+    @classmethod
+    def _valid_pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_pattern(v)
+        return v
+
+    @model_validator(mode="after")
+    def _pattern_is_exclusive(self):
+        if self.pattern and (self.allocation != "uniform" or self.overrides):
+            raise ValueError("pattern (N:M) fixes every group's sparsity: drop allocation/overrides")
+        return self
+
+
+class WandaStage(_CalibratedPruneStage):
+    """Wanda (Sun et al. 2023): prune by |W| times input feature norm, per output row."""
+
+    type: Literal["wanda"]
+
+
+class SparseGPTStage(_CalibratedPruneStage):
+    """SparseGPT (Frantar & Alistarh 2023): OBS mask selection with Hessian reconstruction."""
+
+    type: Literal["sparsegpt"]
+    block_size: int = Field(128, gt=0, description="columns whose mask is chosen together")
+    dampening: float = Field(0.01, gt=0, description="fraction of mean diag(H) added to H")
+    refit: bool = Field(
+        False, description="after the sweep, re-solve the kept weights exactly (least squares "
+        "on the layer's inputs) for the final mask",
+    )
+
+
+class _Discard:
+    """Accumulator for inputs a later pass will collect again."""
+
+    def add(self, x: torch.Tensor) -> None:
+        pass
+
+
+def _collect_in_order(step: LayerStep, names: list[str], make) -> Iterator[tuple[list[str], dict]]:
+    """Groups of Linears sharing one input, in execution order, each collected only after the
+    previous groups were pruned (true-sequential). The first pass also finds the order: the
+    engine creates one accumulator per distinct input, in the order the inputs occur."""
+    order: list[str] = []
+
+    def first_only(name: str, module: torch.nn.Module):
+        order.append(name)
+        return make(name, module) if len(order) == 1 else _Discard()
+
+    accs = step.collect(names, first_only)
+    groups = [[n for n in names if n in accs and accs[n] is accs[o]] for o in order]
+    yield groups[0], {n: accs[n] for n in groups[0]}
+    for group in groups[1:]:
+        yield group, step.collect(group, make)
+
+
+def sparsity_summary(
+    model: torch.nn.Module, linears: dict[str, torch.nn.Module], nm: tuple[int, int] | None
+) -> dict:
+    """Sparsity of the pruned Linears overall and per decoder layer, and the N:M check."""
+    prefix, _ = find_decoder_layers(model)
+    zeros = total = violations = 0
+    per_layer: dict[str, list[int]] = {}
+    for name, module in linears.items():
+        w = weight_2d(module).detach()
+        z = int((w == 0).sum())
+        zeros, total = zeros + z, total + w.numel()
+        layer = f"{prefix}.{name[len(prefix) + 1:].split('.')[0]}"
+        acc = per_layer.setdefault(layer, [0, 0])
+        acc[0], acc[1] = acc[0] + z, acc[1] + w.numel()
+        if nm is not None:
+            violations += nm_violations(w, *nm)
+    out = {
+        "sparsity": round(zeros / max(1, total), 6),
+        "layer_sparsity": {k: round(z / t, 6) for k, (z, t) in per_layer.items()},
+    }
+    note = f"overall sparsity {out['sparsity']:.4f}"
+    if nm is not None:
+        out.update(pattern=f"{nm[0]}:{nm[1]}", nm_violations=violations)
+        note += (f"; exactly {nm[0]}:{nm[1]} in every group" if not violations
+                 else f"; {violations} groups break {nm[0]}:{nm[1]}")
+    out["notes"] = [note]
+    return out
+
+
+def _owl_allocation(ws: Workspace, cfg: _CalibratedPruneStage) -> dict[str, float]:
+    """OWL per-layer sparsity from outlier ratios of the float model's Wanda scores."""
+    ratios: dict[str, float] = {}
+
+    def observe(step: LayerStep) -> dict:
+        names = list(step.linears)
+        accs = step.collect(names, lambda n, m: FeatureNormAccumulator(weight_2d(m).shape[1]))
+        scores = [wanda_scores(weight_2d(step.linears[n]), accs[n].sq_norm) for n in names]
+        ratios[step.name] = outlier_ratio(scores, cfg.owl_threshold)
+        return {"outlier_ratio": round(ratios[step.name], 6)}
+
+    run_sequential(
+        ws.model, ws.calibration_ids(), observe, targets=cfg.targets, ignore=cfg.ignore,
+        batch_size=ws.calibration.resolved_batch_size(), device=ws.device, propagate=False,
+        autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description="owl",
+    )
+    return dict(zip(ratios, owl_sparsities(list(ratios.values()), cfg.sparsity, cfg.owl_lambda)))
+
+
+def _run_calibrated_prune(ws: Workspace, cfg: _CalibratedPruneStage, method: str) -> dict:
+    nm = parse_pattern(cfg.pattern) if cfg.pattern else None
+    linears = select_linears(ws.model, cfg.targets, cfg.ignore)
+    if nm is not None:  # refuse bad shapes before any calibration work
+        for name, module in linears.items():
+            if weight_2d(module).shape[1] % nm[1]:
+                raise OptcError(
+                    f"{name}: N:M pattern {cfg.pattern} needs in_features divisible by {nm[1]}, "
+                    f"got {weight_2d(module).shape[1]}"
+                )
+    layer_sparsity = _owl_allocation(ws, cfg) if cfg.allocation == "owl" else {}
+    per_module: dict[str, dict] = {}
+
+    def make(_name: str, module: torch.nn.Module):
+        k = weight_2d(module).shape[1]
+        if method == "wanda":
+            return FeatureNormAccumulator(k)
+        return HessianAccumulator(k, matmul_dtype=ws.calibration.autocast_dtype())
+
+    def sparsity_for(name: str, layer: str) -> float:
+        for o in cfg.overrides:
+            if re.search(o.pattern, name):
+                return o.sparsity
+        return layer_sparsity.get(layer, cfg.sparsity)
+
+    def solve(step: LayerStep) -> dict:
+        names = list(step.linears)
+        groups = (_collect_in_order(step, names, make) if cfg.sequential
+                  else [(names, step.collect(names, make))])
+        for group, accs in groups:
+            for name in group:
+                module = step.linears[name]
+                w = weight_2d(module).detach()
+                sp = sparsity_for(name, step.name)
+                keep = ws.masks.get(name)
+                extra: dict = {}
+                if method == "wanda":
+                    mask = wanda_mask(w, accs[name].sq_norm, sparsity=sp, nm=nm, keep=keep)
+                else:
+                    res = sparsegpt_prune(
+                        w, accs[name].H, sparsity=sp, nm=nm, keep=keep, block_size=cfg.block_size,
+                        dampening=cfg.dampening, name=name,
+                    )
+                    new_w = res.weight
+                    if cfg.refit:
+                        new_w = masked_least_squares(w, accs[name].H, res.mask, dampening=cfg.dampening)
+                    set_weight_2d(module, new_w)
+                    mask, extra = res.mask, {"sparsegpt_loss": round(res.loss, 6)}
+                per_module[name] = {**apply_mask(ws, name, module, mask), **extra}
+        return {"target_sparsity": None if nm else round(layer_sparsity.get(step.name, cfg.sparsity), 6)}
+
+    layers = _run_calibration(ws, cfg, solve, method)
+    return {"modules": per_module, "layers": layers, **sparsity_summary(ws.model, linears, nm)}
+
+
+def run_wanda(ws: Workspace, cfg: WandaStage) -> dict:
+    return _run_calibrated_prune(ws, cfg, "wanda")
+
+
+def run_sparsegpt(ws: Workspace, cfg: SparseGPTStage) -> dict:
+    return _run_calibrated_prune(ws, cfg, "sparsegpt")
+
+
+# --- structured pruning (heads, key/value groups, MLP channels) ---------------------------
+
+
+class StructuredStage(BaseModel):
+    """Remove whole attention heads and MLP channels; every layer loses the same number."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["structured"]
+    heads: float = Field(0.0, ge=0, lt=1, description="fraction of query heads removed (under "
+                         "GQA the same number from every key/value group)")
+    kv_heads: float = Field(0.0, ge=0, lt=1, description="fraction of key/value groups removed "
+                            "with all their query heads")
+    mlp: float = Field(0.0, ge=0, lt=1, description="fraction of MLP intermediate channels removed")
+    channel_multiple: int = Field(1, gt=0, description="round kept MLP channels down to a multiple of this")
+    reconstruct: bool = Field(True, description="least-squares refit of the output projections")
+    dampening: float = Field(0.01, gt=0, description="fraction of mean diag(H) added for the refit")
+    latency_tokens: int = Field(256, ge=0, description="tokens of the before/after CPU latency check (0: skip)")
+
+    @model_validator(mode="after")
+    def _something_to_remove(self):
+        if not (self.heads or self.kv_heads or self.mlp):
+            raise ValueError("structured pruning needs heads, kv_heads or mlp above 0")
+        return self
+
+
+def run_structured(ws: Workspace, cfg: StructuredStage) -> dict:
+    model = ws.model
+    if ws.qparams:
+        raise OptcError("structured pruning must come before quantization (it reshapes the Linears)")
+    prefix, layers = find_decoder_layers(model)
+    plan = plan_structured(model, layers[0], heads=cfg.heads, kv_heads=cfg.kv_heads, mlp=cfg.mlp,
+                           channel_multiple=cfg.channel_multiple)
+    before = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    latency_before = forward_latency(model, cfg.latency_tokens) if cfg.latency_tokens else None
+    outputs = ([plan.attention.o] if plan.attention else []) + ([plan.mlp.down] if plan.mlp else [])
+
+    def slice_masks(step: LayerStep, surgery) -> None:
+        for rel, idx in [*((r, ("rows", i)) for r, i in surgery.rows.items()),
+                         *((r, ("cols", i)) for r, i in surgery.cols.items())]:
+            name = f"{step.name}.{rel}"
+            if name in ws.masks:
+                axis, keep = idx
+                mask = ws.masks.pop(name)
+                mask = mask[keep] if axis == "rows" else mask[:, keep]
+                apply_mask(ws, name, step.layer.get_submodule(rel), mask)
+
+    def solve(step: LayerStep) -> dict:
+        stats: dict = {}
+        layer = step.layer
+        for rel in outputs:  # attention first: the MLP then calibrates on the pruned attention
+            name = f"{step.name}.{rel}"
+            dtype = ws.calibration.autocast_dtype()
+            H = step.collect([name], lambda n, m: HessianAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype))[name].H
+            W = weight_2d(layer.get_submodule(rel)).detach()
+            if plan.attention is not None and rel == plan.attention.o:
+                imp = head_importance(W, H, plan.head_dim)
+                keep_q, keep_kv = select_heads(imp, plan.kv_heads, plan.remove_per_group, plan.remove_groups)
+                cols = keep_q[:, None] * plan.head_dim + torch.arange(plan.head_dim)[None, :]
+                new_w = reconstruct(W, H, cols.flatten(), cfg.dampening) if cfg.reconstruct else None
+                surgery = prune_attention_heads(layer, plan.attention, keep_q, keep_kv, new_w)
+                stats["heads_kept"] = keep_q.tolist()
+            else:
+                imp = channel_importance(W, H)
+                keep = keep_lowest_removed(imp, plan.remove_channels)
+                new_w = reconstruct(W, H, keep, cfg.dampening) if cfg.reconstruct else None
+                surgery = prune_mlp_channels(layer, plan.mlp, keep, new_w)
+                stats["mlp_importance_removed"] = round(float(imp.sum() - imp[keep].sum()) / float(imp.sum().clamp_min(1e-12)), 6)
+            slice_masks(step, surgery)
+        return stats
+
+    layer_stats = run_sequential(
+        model, ws.calibration_ids(), solve, targets=[re.escape(o) + "$" for o in outputs], ignore=[],
+        batch_size=ws.calibration.resolved_batch_size(), device=ws.device,
+        autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description="structured",
+    )
+    config = apply_plan_to_config(model.config, plan)
+    after = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    out = {
+        "config": config,
+        "parameters_before": before,
+        "parameters_after": after,
+        "parameters_removed": before - after,
+        "parameters_removed_fraction": round((before - after) / before, 6),
+        "layers": layer_stats,
+    }
+    shapes = ", ".join(f"{k} {v}" for k, v in config.items() if k != "head_dim")
+    note = f"removed {before - after:,} parameters ({100 * (before - after) / before:.1f}%): {shapes}"
+    if latency_before is not None:
+        latency_after = forward_latency(model, cfg.latency_tokens)
+        out.update(latency_tokens=cfg.latency_tokens, latency_ms_before=round(1e3 * latency_before, 2),
+                   latency_ms_after=round(1e3 * latency_after, 2),
+                   speedup=round(latency_before / latency_after, 3))
+        note += (f"; CPU forward of {cfg.latency_tokens} tokens {1e3 * latency_before:.0f} -> "
+                 f"{1e3 * latency_after:.0f} ms ({out['speedup']:.2f}x)")
+    out["notes"] = [note]
+    return out
 
 
 StageFn = Callable[[Workspace, BaseModel], dict]
@@ -304,7 +783,12 @@ STAGES: dict[str, tuple[type[BaseModel], StageFn]] = {
     "gptq": (GPTQStage, run_gptq),
     "awq": (AWQStage, run_awq),
     "magnitude": (MagnitudeStage, run_magnitude),
+    "wanda": (WandaStage, run_wanda),
+    "sparsegpt": (SparseGPTStage, run_sparsegpt),
+    "structured": (StructuredStage, run_structured),
+    "smoothquant": (SmoothQuantStage, run_smoothquant),
+    "w8a8": (W8A8Stage, run_w8a8),
 }
 
-QUANT_STAGES = {"rtn", "gptq", "awq"}
-PRUNE_STAGES = {"magnitude"}
+QUANT_STAGES = {"rtn", "gptq", "awq", "w8a8"}
+PRUNE_STAGES = {"magnitude", "wanda", "sparsegpt", "structured"}

@@ -38,3 +38,25 @@ class InputSampler:
     @property
     def sample(self) -> torch.Tensor:
         return torch.cat(self.rows)
+
+
+class FeatureNormAccumulator:
+    """Mean squared value of each input feature over every token, ``||X_j||_2^2 / n``.
+
+    Wanda's (and OWL's) only statistic: a ``[K]`` vector, so it costs nothing next to a
+    Hessian. Summed in float64 because it runs over millions of tokens.
+    """
+
+    def __init__(self, in_features: int) -> None:
+        self.in_features = in_features
+        self.sq_sum = torch.zeros(in_features, dtype=torch.float64)
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, self.in_features)
+        self.sq_sum += x.float().pow(2).sum(dim=0).double().cpu()
+        self.count += x.shape[0]
+
+    @property
+    def sq_norm(self) -> torch.Tensor:
+        return (self.sq_sum / max(1, self.count)).float()

@@ -47,8 +47,10 @@ EvalDatasetOpt = Annotated[Optional[str], typer.Option("--eval-dataset", help="E
 WindowsOpt = Annotated[Optional[int], typer.Option("--windows", help="Evaluate the first N windows only.")]
 NoEvalOpt = Annotated[bool, typer.Option("--no-eval", help="Skip perplexity evaluation.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repository.")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", help="Export format: dense or compressed-tensors.")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", help="Export format: dense, compressed-tensors, gptq, awq, gguf-q4_0, gguf-q8_0 or gguf-f16.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
+GateOpt = Annotated[Optional[list[str]], typer.Option("--gate", help="CI gate, e.g. 'ppl_increase<=5%' (repeatable); a failed gate exits with code 3 after the report is written.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; print only errors and failed gates.")]
 
 
 def _version(value: bool) -> None:
@@ -115,7 +117,7 @@ def _print_report(report: dict, as_json: bool) -> None:
     table.add_column("95% CI", justify="right")
     table.add_column("windows", justify="right")
     for key, value in metrics.items():
-        if key.startswith("perplexity_"):
+        if key.startswith("perplexity_") and isinstance(value, dict) and "ci95" in value:
             lo, hi = value["ci95"]
             ci = "-" if lo is None else f"\\[{lo:.2f}, {hi:.2f}]"  # escaped: not rich markup
             table.add_row(key.removeprefix("perplexity_"), f"{value['perplexity']:.3f}", ci, f"{value['windows']} x {value['seqlen']}")
@@ -123,7 +125,11 @@ def _print_report(report: dict, as_json: bool) -> None:
         console.print(table)
     if "perplexity_baseline" in metrics and "perplexity_compressed" in metrics:
         b, c = metrics["perplexity_baseline"]["perplexity"], metrics["perplexity_compressed"]["perplexity"]
-        console.print(f"perplexity change: {100 * (c / b - 1):+.2f}%")
+        ch, paired = metrics.get("perplexity_change") or {}, ""
+        if (ch.get("ppl_increase_pct_ci95") or [None])[0] is not None:
+            lo, hi = ch["ppl_increase_pct_ci95"]
+            paired = f" (paired 95% CI [{lo:+.2f}%, {hi:+.2f}%]: {'a real change' if ch['significant'] else 'within noise'})"
+        console.print(f"perplexity change: {100 * (c / b - 1):+.2f}%{paired}", highlight=False)
     for st in report.get("stages", []):
         console.print(f"stage [bold]{st['type']}[/] ({st['seconds']:.1f} s): {st['summary']}")
     if metrics.get("parameters"):
@@ -131,6 +137,31 @@ def _print_report(report: dict, as_json: bool) -> None:
     ck = report.get("checkpoint")
     if ck:
         console.print(f"wrote [bold]{ck['path']}[/] ({ck['format']}, {ck['bytes'] / 2**20:.1f} MiB): report.json, report.md, recipe.yaml")
+    _print_details(report)
+
+
+def _print_details(report: dict) -> None:
+    from optc.evaluate.report import summary_lines
+
+    for line in summary_lines(report):
+        if not line.startswith("Perplexity change:"):  # printed with the perplexity table
+            console.print(line, highlight=False, markup=False)
+    for g in report.get("gates", []):
+        console.print(("[green]" if g["passed"] else "[bold red]") + g["message"] + "[/]", highlight=False)
+
+
+def _finish(report: dict, as_json: bool, quiet: bool) -> None:
+    """Print the report (unless quiet), then exit with the gate code if a gate failed."""
+    from optc.evaluate.gates import GATE_EXIT_CODE, failed
+
+    if as_json or not quiet:
+        _print_report(report, as_json)
+    bad = failed(report.get("gates", []))
+    if bad:
+        if quiet or as_json:
+            for g in bad:
+                err_console.print(f"[bold red]{g['message']}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(GATE_EXIT_CODE)
 
 
 def _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt) -> dict:
@@ -146,7 +177,7 @@ def _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windo
     }
 
 
-def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_remote_code, no_eval, as_json, stages: list | None = None) -> None:
+def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_remote_code, no_eval, as_json, stages: list | None = None, gates: list[str] | None = None, quiet: bool = False) -> None:
     from optc.pipeline import run_recipe
     from optc.recipe import apply_overrides, parse_recipe, read_recipe_data, resolve_recipe
 
@@ -159,8 +190,19 @@ def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_rem
     if no_eval:
         data["evaluation"] = None
     recipe = parse_recipe(apply_overrides(data, overrides), str(path))
-    report = run_recipe(recipe, output, overwrite=overwrite, device=_device(device), trust_remote_code=trust_remote_code, progress=RichProgress())
-    _print_report(report, as_json)
+    report = run_recipe(recipe, output, overwrite=overwrite, device=_device(device), trust_remote_code=trust_remote_code, progress=_progress(quiet), gates=gates)
+    _finish(report, as_json, quiet)
+
+
+def _progress(quiet: bool):
+    from optc.progress import NullProgress
+
+    if quiet:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # its weight-loading bars too
+        return NullProgress()
+    return RichProgress()
 
 
 def _device(device: str) -> str:
@@ -186,10 +228,11 @@ def run(
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    gate: GateOpt = None, quiet: QuietOpt = False,
 ) -> None:
     """Run a whole multi-stage recipe: compress, evaluate, export, report."""
     overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
-    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json)
+    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet)
 
 
 @app.command()
@@ -203,38 +246,63 @@ def quantize(
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    gate: GateOpt = None, quiet: QuietOpt = False,
 ) -> None:
     """Quantize weights with a recipe (default: 4-bit round-to-nearest); flags override it."""
     overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
     overrides.update({"stages.0.type": method, "stages.0.scheme.bits": bits, "stages.0.scheme.group_size": group_size})
-    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json)
+    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet)
 
 
 @app.command()
 @handle_errors
 def prune(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Built-in recipe name or YAML path.")] = None,
-    method: Annotated[str, typer.Option("--method", help="Pruning score: magnitude.")] = "magnitude",
+    method: Annotated[str, typer.Option("--method", help="Pruning score: magnitude, wanda or sparsegpt.")] = "magnitude",
     pattern: Annotated[Optional[str], typer.Option("--pattern", help="N:M pattern, e.g. 2:4.")] = None,
     sparsity: Annotated[Optional[float], typer.Option("--sparsity", help="Unstructured sparsity in [0, 1).")] = None,
+    structured: Annotated[Optional[str], typer.Option("--structured", help="Remove heads / MLP channels, e.g. heads=0.25,mlp=0.3 (also kv_heads=).")] = None,
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    gate: GateOpt = None, quiet: QuietOpt = False,
 ) -> None:
-    """Prune weights: unstructured (--sparsity) or N:M (--pattern 2:4)."""
+    """Prune weights: unstructured (--sparsity), N:M (--pattern 2:4) or structured (--structured)."""
+    if method not in ("magnitude", "wanda", "sparsegpt"):
+        raise OptcError(f"unknown pruning method {method!r} (expected magnitude, wanda or sparsegpt)")
     overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
+    parts = _parse_structured(structured) if structured is not None else None
     stages = None
     if recipe is None:
-        stage: dict[str, Any] = {"type": method}
-        if pattern is not None:
-            stage["pattern"] = pattern
-        if sparsity is not None:
-            stage["sparsity"] = sparsity
-        stages = [stage]
+        stages = [{"type": "structured", **parts}] if parts else []
+        if pattern is not None or sparsity is not None or not parts:
+            stage: dict[str, Any] = {"type": method}
+            if pattern is not None:
+                stage["pattern"] = pattern
+            if sparsity is not None:
+                stage["sparsity"] = sparsity
+            stages.append(stage)
     else:
         overrides.update({"stages.0.type": method if method != "magnitude" else None, "stages.0.pattern": pattern, "stages.0.sparsity": sparsity})
-    _run(recipe or "prune-2of4-magnitude.yaml", overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, stages)
+        overrides.update({f"stages.0.{k}": v for k, v in (parts or {}).items()})
+    _run(recipe or "prune-2of4-magnitude.yaml", overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, stages, gates=gate, quiet=quiet)
+
+
+def _parse_structured(text: str) -> dict[str, float]:
+    """``heads=0.25,mlp=0.3`` -> ``{"heads": 0.25, "mlp": 0.3}``."""
+    parts: dict[str, float] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in ("heads", "kv_heads", "mlp"):
+            raise OptcError(f"--structured {text!r}: expected heads=F, kv_heads=F and/or mlp=F, got {item!r}")
+        try:
+            parts[key.strip()] = float(value)
+        except ValueError:
+            raise OptcError(f"--structured {text!r}: {value!r} is not a number") from None
+    if not parts:
+        raise OptcError("--structured needs heads=F, kv_heads=F and/or mlp=F (e.g. heads=0.25,mlp=0.3)")
+    return parts
 
 
 @app.command("eval")
@@ -248,12 +316,65 @@ def eval_(
     stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride (default: seqlen).")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward.")] = 1,
     output: OutputOpt = None, overwrite: OverwriteOpt = False, as_json: JsonOpt = False,
+    gate: GateOpt = None, quiet: QuietOpt = False,
+    latency: Annotated[bool, typer.Option("--latency", help="Time prefill and decode (batch 1, CPU) on low-precision kernels; against --baseline too.")] = False,
+    kernel: Annotated[str, typer.Option("--kernel", help="Latency kernels: auto, int4, int8-dynamic, int8-weight-only or float.")] = "auto",
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Latency: prompt length.")] = 128,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Latency: tokens decoded per run.")] = 32,
+    repeats: Annotated[int, typer.Option("--repeats", help="Latency: timed runs per model.")] = 5,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="Latency: torch threads (default: torch's).")] = None,
+    tasks: Annotated[Optional[str], typer.Option("--tasks", help="lm-eval-harness tasks, comma-separated (needs lm-eval and its data).")] = None,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Tokenize the evaluation text again instead of using the disk cache.")] = False,
 ) -> None:
-    """Perplexity (with a 95% interval) of a model, optionally against a baseline."""
+    """Perplexity with a 95% interval, KL and top-1 agreement against --baseline, size, latency; gates for CI."""
     from optc.pipeline import evaluate_model
 
-    report = evaluate_model(model, dataset=dataset, seqlen=seqlen, windows=windows, stride=stride, batch_size=batch_size, baseline=baseline, output=output, overwrite=overwrite, progress=RichProgress())
-    _print_report(report, as_json)
+    task_list = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
+    report = evaluate_model(
+        model, dataset=dataset, seqlen=seqlen, windows=windows, stride=stride, batch_size=batch_size,
+        baseline=baseline, output=output, overwrite=overwrite, progress=_progress(quiet), gates=gate,
+        latency=latency, kernel=kernel, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+        repeats=repeats, threads=threads, tasks=task_list, cache=not no_cache,
+    )
+    _finish(report, as_json, quiet)
+
+
+@app.command("report")
+@handle_errors
+def report_(
+    reports: Annotated[Optional[list[str]], typer.Argument(help="report.json files or directories holding one (any optc command's).")] = None,
+    markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the comparison table to this Markdown file.")] = None,
+    schema: Annotated[bool, typer.Option("--schema", help="Print the JSON Schema of report.json and exit.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Compare runs side by side: one column per report.json."""
+    from optc.evaluate.compare import comparison_markdown, comparison_rows, load_reports
+    from optc.evaluate.report import report_json_schema
+
+    if schema:
+        typer.echo(json.dumps(report_json_schema(), indent=2))
+        return
+    if not reports:
+        raise OptcError("optc report needs at least one report.json (or a directory holding one)")
+    labels, loaded = load_reports(reports)
+    rows = comparison_rows(loaded)
+    if as_json:
+        console.print_json(json.dumps({"runs": labels, "rows": {name: cells for name, cells in rows}}))
+    else:
+        table = Table(title="optc runs")
+        table.add_column("metric")
+        for label in labels:
+            table.add_column(label, justify="right", overflow="fold")
+        for name, cells in rows:
+            table.add_row(name, *(c.replace("[", "\\[") for c in cells))
+        console.print(table)
+    if markdown is not None:
+        try:
+            markdown.expanduser().write_text(comparison_markdown(labels, rows), encoding="utf-8")
+        except OSError as exc:
+            raise OptcError(f"cannot write {markdown}: {exc.strerror}") from None
+        if not as_json:
+            console.print(f"wrote [bold]{markdown}[/]")
 
 
 @app.command()
@@ -277,6 +398,32 @@ def inspect(
             value = f"{value:,}"
         table.add_row(key, str(value))
     console.print(table)
+
+
+@app.command()
+@handle_errors
+def export(
+    model: Annotated[str, typer.Argument(help="Checkpoint to convert: compressed-tensors, GPTQ, AWQ, dense directory or .gguf.")],
+    fmt: Annotated[str, typer.Option("--format", help="gptq, awq, compressed-tensors, dense, gguf-q4_0, gguf-q8_0 or gguf-f16.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (written atomically).")],
+    overwrite: OverwriteOpt = False,
+    requantize: Annotated[bool, typer.Option("--requantize", help="GGUF: round grids the block type cannot hold again (lossy).")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Convert a checkpoint to another format, re-packing its quantization grid (no calibration)."""
+    from optc.export.convert import convert_checkpoint
+
+    info = convert_checkpoint(model, output, fmt, overwrite=overwrite, requantize=requantize)
+    if as_json:
+        console.print_json(json.dumps(info, default=str))
+        return
+    console.print(f"wrote [bold]{info['path']}[/] ({info['format']}, {info['bytes'] / 2**20:.1f} MiB) from {info['source']}")
+    for key in ("scheme", "modules"):
+        if key in info:
+            console.print(f"{key}: {info[key]}")
+    for key in ("requantized", "rounded"):
+        if info.get(key):
+            console.print(f"[yellow]{key} by gguf's round-to-nearest[/]: {len(info[key])} module(s)")
 
 
 @recipes_app.callback()

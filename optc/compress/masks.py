@@ -51,3 +51,13 @@ def unstructured_mask(scores: torch.Tensor, sparsity: float, per_row: bool = Fal
         drop = scores.flatten().topk(k, largest=False).indices
         mask.view(-1)[drop] = False
     return mask
+
+
+def nm_violations(weight: torch.Tensor, n: int, m: int) -> int:
+    """Groups of ``m`` consecutive input columns holding more than ``n`` non-zeros (0 when the
+    weight is exactly N:M sparse, as sparse tensor cores require)."""
+    rows, cols = weight.shape
+    if cols % m:
+        raise OptcError(f"N:M pattern {n}:{m} needs in_features divisible by {m}, got {cols}")
+    nonzero = (weight.reshape(rows, cols // m, m) != 0).sum(dim=-1)
+    return int((nonzero > n).sum())

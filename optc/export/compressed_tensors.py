@@ -29,6 +29,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from optc.calibrate.observers import OBSERVERS
+from optc.compress.actquant import ActivationScheme, InputQuant
 from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize, quantize
 from optc.errors import OptcError
 from optc.export.shards import model_state_dict, read_safetensors, write_safetensors
@@ -387,3 +389,269 @@ def read_pack_quantized(
         qparams[name] = p
     state.update(tensors)
     return state, qparams
+
+
+# --------------------------------------------------------------------------------------------
+# int-quantized (W8A8): int8 weights stored whole, activation scales beside them
+#
+# Layout, checked against compressed-tensors 0.20.1 (``compressors/naive_quantized/base.py``,
+# ``quantization/lifecycle/{initialize,forward}.py``) and vLLM's W8A8 int8 scheme:
+#
+# - ``<m>.weight`` int8 ``[N, K]``: the signed codes themselves (no packing).
+# - ``<m>.weight_scale`` ``[N, G]`` in the weight's dtype (``[N, 1]`` per channel);
+#   ``<m>.weight_zero_point`` int8 ``[N, G]`` only when asymmetric.
+# - ``<m>.input_scale`` ``[1]`` for static per-tensor activations; nothing for dynamic ones,
+#   whose scales the runtime computes per token (or per tensor) on the fly.
+#
+# A checkpoint whose Linears are not all W8A8 (weight-only ones kept as pack-quantized) is
+# ``mixed-precision`` with each config group naming its own format.
+
+INT_FORMAT = "int-quantized"
+MIXED_FORMAT = "mixed-precision"
+
+
+def _input_args(scheme: ActivationScheme) -> dict:
+    args = {
+        "num_bits": scheme.bits,
+        "type": "int",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": scheme.strategy,
+        "dynamic": scheme.dynamic,
+    }
+    if not scheme.dynamic:
+        # Free text in compressed-tensors' QuantizationArgs: records how the scale was chosen.
+        args["observer"] = scheme.observer
+    return args
+
+
+def _compress_int_module(weight: torch.Tensor, p: QuantParams, iq: InputQuant) -> dict[str, torch.Tensor]:
+    scale_dtype = weight.dtype if weight.is_floating_point() else torch.float16
+    out = {"weight": quantize(weight, p), "weight_scale": p.scale.to(scale_dtype)}
+    if not p.scheme.symmetric:
+        out["weight_zero_point"] = p.zero.to(torch.int8)
+    if iq.scale is not None:
+        out["input_scale"] = iq.scale.reshape(1).to(scale_dtype)
+    return out
+
+
+def write_int_quantized(
+    model: torch.nn.Module,
+    qparams: dict[str, QuantParams],
+    input_quant: dict[str, InputQuant],
+    directory: Path,
+    *,
+    max_shard_bytes: int = 2 * 1024**3,
+) -> dict:
+    """Write a W8A8 checkpoint: Linears in ``input_quant`` as ``int-quantized`` (int8 weights,
+    ``input_scale`` when static), other quantized Linears as ``pack-quantized``.
+
+    Every Linear with activation quantization must have quantized weights (``qparams``):
+    int8 GEMMs need both operands in int8.
+    """
+    if not input_quant:
+        raise OptcError("no Linear has activation quantization; write pack-quantized instead")
+    directory = Path(directory)
+    modules = dict(model.named_modules())
+    state = model_state_dict(model)
+    missing = sorted(set(input_quant) - set(qparams))
+    if missing:
+        raise OptcError(f"{missing[0]} quantizes its input but not its weights; int-quantized needs both")
+    targets = _target_group_sizes(qparams, "per_layer")
+
+    compressed: dict[str, dict[str, torch.Tensor]] = {}
+    groups: dict[tuple, list[str]] = {}
+    for name, p in qparams.items():
+        module = modules.get(name)
+        if not isinstance(module, torch.nn.Linear):
+            raise OptcError(f"{name!r} is not an nn.Linear of this model; compressed-tensors covers Linears only")
+        if f"{name}.weight" not in state:
+            raise OptcError(f"{name}.weight is tied to another tensor; a tied weight cannot be quantized alone")
+        if p.actorder:
+            raise OptcError(f"{name} uses act-order groups (permuted g_idx), which {INT_FORMAT} cannot store")
+        if targets[name] != p.scheme.group_size:
+            p = regroup(p, targets[name])
+        iq = input_quant.get(name)
+        with torch.no_grad():
+            if iq is None:
+                compressed[name] = _compress_module(name, module.weight, p)
+            else:
+                compressed[name] = _compress_int_module(module.weight, p, iq)
+        act_key = None if iq is None else (iq.scheme.strategy, iq.scheme.dynamic, iq.scheme.observer if not iq.scheme.dynamic else None)
+        key = (p.scheme.bits, p.scheme.symmetric, p.scheme.group_size, act_key)
+        groups.setdefault(key, []).append(name)
+
+    tensors: dict[str, torch.Tensor] = {}
+    for key, t in state.items():
+        mod, _, leaf = key.rpartition(".")
+        if leaf == "weight" and mod in compressed:
+            tensors.update({f"{mod}.{k}": v for k, v in compressed[mod].items()})
+        else:
+            tensors[key] = t
+    files = write_safetensors(tensors, directory, max_shard_bytes=max_shard_bytes)
+
+    config_groups = {}
+    formats = set()
+    for i, ((bits, sym, gs, act_key), names) in enumerate(groups.items()):
+        fmt = FORMAT if act_key is None else INT_FORMAT
+        formats.add(fmt)
+        config_groups[f"group_{i}"] = {
+            "targets": names,
+            "weights": _weights_args(QuantScheme(bits=bits, symmetric=sym, group_size=gs), False),
+            "input_activations": None if act_key is None else _input_args(input_quant[names[0]].scheme),
+            "output_activations": None,
+            "format": fmt,
+        }
+    fmt = formats.pop() if len(formats) == 1 else MIXED_FORMAT
+    ignore = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n not in qparams]
+    _write_quantized_config(model, directory, config_groups, ignore, fmt)
+    summary = {
+        "format": fmt,
+        "bytes": sum(f.stat().st_size for f in files),
+        "modules": len(compressed),
+        "activation_modules": len(input_quant),
+        "files": [f.name for f in files],
+    }
+    log.info("%s: %d modules, %d bytes in %s", fmt, summary["modules"], summary["bytes"], directory)
+    return summary
+
+
+def _write_quantized_config(
+    model: torch.nn.Module, directory: Path, config_groups: dict, ignore: list[str], fmt: str
+) -> None:
+    quant_config = {
+        "version": _ct_version(),
+        "quant_method": "compressed-tensors",
+        "sparsity_config": {},
+        "transform_config": {},
+        "config_groups": config_groups,
+        "format": fmt,
+        "quantization_status": "compressed",
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "ignore": ignore,
+    }
+    config = model.config.to_dict()
+    config["dtype"] = str(model.dtype).removeprefix("torch.")
+    config["quantization_config"] = quant_config
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(directory)
+
+
+def read_compressed_tensors(
+    directory: Path,
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantParams], dict[str, InputQuant]]:
+    """Dequantized float state dict, weight params and input quantization of a
+    compressed-tensors checkpoint: pack-quantized, int-quantized or a mix of both."""
+    directory = Path(directory)
+    qc = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
+    # Packed groups first (that reader passes every other tensor through untouched).
+    state, qparams = read_pack_quantized(directory)
+    input_quant: dict[str, InputQuant] = {}
+    names = [k.removesuffix(".weight_scale") for k in list(state) if k.endswith(".weight_scale")]
+    for name in names:
+        group = _scheme_for(name, qc["config_groups"])
+        fmt = group.get("format") or qc.get("format")
+        args = group["weights"]
+        if fmt not in (INT_FORMAT, "naive-quantized") or args.get("type", "int") != "int":
+            raise OptcError(f"{name}: format {fmt!r} / type {args.get('type')!r} is not int {INT_FORMAT}")
+        if args.get("strategy") not in ("group", "channel"):
+            raise OptcError(f"{name}: weight strategy {args.get('strategy')!r} is not supported")
+        scheme = QuantScheme(
+            bits=args["num_bits"],
+            symmetric=args.get("symmetric", True),
+            group_size=args["group_size"] if args["strategy"] == "group" else None,
+        )
+        q = state[f"{name}.weight"]
+        scale = state.pop(f"{name}.weight_scale")
+        zp = state.pop(f"{name}.weight_zero_point", None)
+        zero = torch.zeros(scale.shape, dtype=torch.int32) if zp is None else zp.to(torch.int32)
+        p = QuantParams(scheme, scale.float(), zero, default_g_idx(q.shape[1], scheme))
+        state[f"{name}.weight"] = dequantize(q, p, scale.dtype)
+        qparams[name] = p
+        ia = group.get("input_activations")
+        input_scale = state.pop(f"{name}.input_scale", None)
+        state.pop(f"{name}.input_zero_point", None)
+        if ia:
+            if ia.get("type", "int") != "int" or not ia.get("symmetric", True):
+                raise OptcError(f"{name}: only symmetric int input activations are supported")
+            observer = ia.get("observer")
+            act = ActivationScheme(
+                bits=ia.get("num_bits", 8),
+                strategy=ia.get("strategy") or "tensor",
+                dynamic=bool(ia.get("dynamic", False)),
+                **({"observer": observer} if observer in OBSERVERS else {}),
+            )
+            if not act.dynamic and input_scale is None:
+                raise OptcError(f"{name}: static input activations but no {name}.input_scale")
+            input_quant[name] = InputQuant(act, None if act.dynamic else input_scale.float().reshape(1))
+    return state, qparams, input_quant
+
+
+# --------------------------------------------------------------------------------------------
+# Sparsity metadata (pruned models are stored dense, with their zeros)
+
+
+def sparsity_config(model: torch.nn.Module, masks: dict[str, torch.Tensor]) -> dict:
+    """The ``sparsity_config`` block of compressed-tensors for a model pruned in place.
+
+    Fields as ``compressed_tensors.config.SparsityCompressionConfig`` 0.20.1 defines them:
+    ``format`` ``dense`` (the weights are stored uncompressed, zeros included, so every loader
+    reads them), ``targets`` the pruned Linears, ``ignore`` the other Linears,
+    ``global_sparsity`` the share of zeros over all of the model's parameters, and
+    ``sparsity_structure`` ``"N:M"`` when every pruned Linear is N:M along its input dimension
+    (checked on the weights, not taken from the recipe), else ``unstructured``.
+    """
+    modules = dict(model.named_modules())
+    params = {id(p): p for p in model.parameters()}.values()
+    total = sum(p.numel() for p in params)
+    zeros = sum(int((p == 0).sum()) for p in params)
+    return {
+        "format": "dense",
+        "targets": sorted(masks),
+        "ignore": sorted(n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n not in masks),
+        "global_sparsity": round(zeros / max(1, total), 6),
+        "sparsity_structure": _common_structure([modules[n].weight for n in masks if n in modules]),
+    }
+
+
+def _common_structure(weights: list[torch.Tensor]) -> str:
+    """``"N:M"`` if all weights hold at most N non-zeros in every M consecutive inputs (the
+    smallest M of 4, 8, 16 and the N seen), else ``"unstructured"``."""
+    if not weights:
+        return "unstructured"
+    for m in (4, 8, 16):
+        if any(w.shape[-1] % m for w in weights):
+            continue
+        n = max(int((w.reshape(w.shape[0], -1, m) != 0).sum(-1).max()) for w in weights)
+        if n < m and n * 2 <= m:  # denser groups are not N:M sparsity anyone accelerates
+            return f"{n}:{m}"
+    return "unstructured"
+
+
+def write_sparsity_config(directory: Path, block: dict) -> None:
+    """Add ``block`` as ``quantization_config.sparsity_config`` of ``directory/config.json``.
+
+    A quantized checkpoint already has a compressed-tensors ``quantization_config``; a dense
+    one gets the minimal one llm-compressor writes for sparse-only models (no config groups,
+    format ``dense``), which transformers loads through compressed-tensors unchanged.
+    """
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    qc = config.get("quantization_config")
+    if qc is None:
+        qc = {
+            "version": _ct_version(),
+            "quant_method": "compressed-tensors",
+            "config_groups": {},
+            "format": "dense",
+            "quantization_status": "compressed",
+            "ignore": [],
+            "transform_config": {},
+        }
+    elif qc.get("quant_method") != "compressed-tensors":
+        raise OptcError(f"{path}: sparsity metadata needs a compressed-tensors config, not {qc.get('quant_method')!r}")
+    qc["sparsity_config"] = block
+    config["quantization_config"] = qc
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,60 @@
+"""`make test-interop`, step 2 (vLLM CPU venv): vLLM itself serves optc's checkpoints.
+
+Perplexity from prompt log-probabilities (``SamplingParams(max_tokens=1, prompt_logprobs=0)``) on
+the windows ``prepare.py`` scored with optc's reader; bfloat16 (vLLM's CPU W4A16 kernel has no
+float32 path), so agreement is judged relatively (``--tolerance``, default 1%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+from pathlib import Path
+
+
+def vllm_perplexity(directory: Path, windows: list[list[int]], seqlen: int) -> float:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(directory), dtype="bfloat16", max_model_len=seqlen + 64, enforce_eager=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows],
+                           SamplingParams(max_tokens=1, prompt_logprobs=0))
+    nll, count = 0.0, 0
+    for window, out in zip(windows, outputs):
+        for token, logprobs in zip(window[1:], out.prompt_logprobs[1:]):
+            nll -= logprobs[token].logprob
+            count += 1
+    del llm
+    gc.collect()
+    return math.exp(nll / count)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--formats", nargs="+", default=["compressed-tensors", "gptq", "awq"])
+    ap.add_argument("--tolerance", type=float, default=0.01)
+    args = ap.parse_args()
+    ref = json.loads((args.out / "reference.json").read_text())
+    results, ok = {}, True
+    for fmt in args.formats:
+        want = ref["formats"][fmt]["optc_reader"]
+        try:
+            got = vllm_perplexity(args.out / fmt, ref["windows"], ref["seqlen"])
+        except Exception as exc:  # noqa: BLE001 - a runtime that cannot load the file is a result
+            results[fmt] = {"optc_reader": want, "vllm": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            ok = False
+            continue
+        rel = got / want - 1
+        ok &= abs(rel) <= args.tolerance
+        results[fmt] = {"optc_reader": want, "vllm": got, "relative": rel}
+        print(f"{fmt}: vLLM {got:.4f} vs optc {want:.4f} ({100 * rel:+.2f}%)", flush=True)
+    (args.out / "vllm_results.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

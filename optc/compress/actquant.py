@@ -1,0 +1,206 @@
+"""Int8 activation fake-quantization of Linear inputs, as a W8A8 runtime computes it.
+
+A quantized Linear's input ``x`` becomes ``clamp(round(x / s), -2^(b-1), 2^(b-1) - 1) * s``
+before the matmul, so evaluating the model in optc measures what vLLM's int8 GEMM (or
+compressed-tensors' own forward) computes:
+
+- **static per-tensor**: one calibrated ``s`` per Linear input (``input_scale`` on disk);
+- **dynamic per-tensor** / **per-token**: ``s`` computed from the tensor, or from each token's
+  row, at run time (``s = max|x| / ((2^b - 1) / 2)``), nothing stored.
+
+The grid is compressed-tensors' symmetric one (``amax`` maps to ``(2^b - 1) / 2``), so a
+checkpoint reloaded by transformers + compressed-tensors computes the same logits.
+Fake-quantization is attached as a forward pre-hook that stays on the module until
+:func:`detach_input_quant`; :func:`input_quant_of` lists what a model carries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from torch import nn
+
+from optc.calibrate.observers import (
+    OBSERVERS,
+    ActivationStats,
+    ObserverName,
+    clipped_fraction,
+    threshold_for,
+)
+
+_HOOK_ATTR = "_optc_input_quant"
+
+
+class ActivationScheme(BaseModel):
+    """How a Linear's input is quantized. Used directly as a recipe field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bits: Literal[8] = 8
+    strategy: Literal["tensor", "token"] = Field(
+        "tensor", description="one scale per tensor, or one per token (row)"
+    )
+    dynamic: bool = Field(False, description="scales computed at run time instead of calibrated")
+    observer: ObserverName = Field(
+        "minmax", description="static scales: minmax, moving_minmax, percentile, mse or kl"
+    )
+    percentile: float = Field(99.99, description="percentile observer: share of |x| kept, in (0, 100]")
+    averaging_constant: float = Field(0.01, gt=0, le=1, description="moving_minmax: EMA constant")
+
+    @field_validator("percentile")
+    @classmethod
+    def _percentile_range(cls, v: float) -> float:
+        if not 0 < v <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ActivationScheme:
+        if self.strategy == "token" and not self.dynamic:
+            raise ValueError("per-token activation scales exist only at run time: set dynamic: true")
+        return self
+
+    def label(self) -> str:
+        if self.dynamic:
+            return f"int{self.bits} dynamic per-{self.strategy}"
+        detail = f"{self.observer} {self.percentile:g}" if self.observer == "percentile" else self.observer
+        return f"int{self.bits} static per-{self.strategy} ({detail})"
+
+
+@dataclass
+class InputQuant:
+    """Solved input quantization of one Linear: ``scale`` [1] when static, else None."""
+
+    scheme: ActivationScheme
+    scale: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheme.dynamic != (self.scale is None):
+            raise ValueError("static activation quantization needs a scale; dynamic takes none")
+
+
+def half_range(bits: int) -> float:
+    return (2**bits - 1) / 2
+
+
+def scale_from_threshold(threshold: float, bits: int = 8) -> torch.Tensor:
+    """Static per-tensor ``input_scale`` [1] for a clipping threshold (0 guarded like
+    compressed-tensors, which replaces a zero scale by the dtype's eps)."""
+    s = threshold / half_range(bits)
+    return torch.tensor([s if s > 0 else torch.finfo(torch.float32).eps], dtype=torch.float32)
+
+
+def dynamic_scale(x: torch.Tensor, strategy: str, bits: int = 8) -> torch.Tensor:
+    """Run-time scale of ``x`` ([..., K]): one per row (``token``) or one overall (``tensor``)."""
+    a = x.detach().abs()
+    amax = a.amax(dim=-1, keepdim=True) if strategy == "token" else a.amax().reshape(1)
+    s = amax.float() / half_range(bits)
+    return torch.where(s > 0, s, torch.full_like(s, torch.finfo(torch.float32).eps))
+
+
+def fake_quantize_activation(x: torch.Tensor, scale: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """``clamp(round(x / s)) * s`` on the signed ``bits`` grid, in ``x``'s dtype."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    s = scale.to(x.device, torch.float32)
+    return (torch.round(x.float() / s).clamp_(qmin, qmax) * s).to(x.dtype)
+
+
+def quantize_input(x: torch.Tensor, iq: InputQuant) -> torch.Tensor:
+    """Fake-quantize a Linear input as ``iq`` prescribes."""
+    scale = iq.scale if iq.scale is not None else dynamic_scale(x, iq.scheme.strategy, iq.scheme.bits)
+    return fake_quantize_activation(x, scale, iq.scheme.bits)
+
+
+def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio ``10 log10(|x|^2 / |x - x_hat|^2)`` in dB."""
+    signal = float(x.double().pow(2).sum())
+    noise = float((x.double() - x_hat.double()).pow(2).sum())
+    if noise == 0:
+        return math.inf
+    return 10 * math.log10(signal / noise) if signal > 0 else -math.inf
+
+
+def attach_input_quant(module: nn.Module, iq: InputQuant) -> None:
+    """Fake-quantize ``module``'s input on every forward (replaces an earlier attachment)."""
+    detach_input_quant(module)
+
+    def hook(_mod: nn.Module, args: tuple) -> tuple:
+        return (quantize_input(args[0], iq), *args[1:])
+
+    handle = module.register_forward_pre_hook(hook)
+    setattr(module, _HOOK_ATTR, (iq, handle))
+
+
+def detach_input_quant(module: nn.Module) -> None:
+    entry = getattr(module, _HOOK_ATTR, None)
+    if entry is not None:
+        entry[1].remove()
+        delattr(module, _HOOK_ATTR)
+
+
+def input_quant_of(model: nn.Module) -> dict[str, InputQuant]:
+    """Module name -> the input quantization attached to it."""
+    return {
+        name: getattr(m, _HOOK_ATTR)[0]
+        for name, m in model.named_modules()
+        if getattr(m, _HOOK_ATTR, None) is not None
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Solving from calibration statistics, and measuring the result
+
+
+def solve_input_quant(scheme: ActivationScheme, stats: ActivationStats | None) -> InputQuant:
+    """The input quantization ``scheme`` prescribes, static scales chosen by its observer."""
+    if scheme.dynamic:
+        return InputQuant(scheme)
+    if stats is None:
+        raise ValueError("static activation scales need calibration statistics")
+    t = threshold_for(scheme.observer, stats, bits=scheme.bits, percentile=scheme.percentile)
+    return InputQuant(scheme, scale_from_threshold(t, scheme.bits))
+
+
+def observer_ranges(stats: ActivationStats, scheme: ActivationScheme) -> dict[str, float]:
+    """The threshold every observer would choose from the same statistics (for the report)."""
+    return {
+        name: round(threshold_for(name, stats, bits=scheme.bits, percentile=scheme.percentile), 6)
+        for name in OBSERVERS
+    }
+
+
+def _json_db(v: float) -> float | None:
+    # No error at all gives an infinite ratio, which strict JSON cannot hold.
+    return round(v, 3) if math.isfinite(v) else None
+
+
+def calibration_summary(
+    iq: InputQuant, stats: ActivationStats, w: torch.Tensor, w_hat: torch.Tensor
+) -> dict:
+    """How much one quantized Linear loses, measured on the calibration sample rows.
+
+    ``input_sqnr_db`` compares ``x`` with its fake-quantized self; ``output_sqnr_db``
+    compares ``x W^T`` with ``Q(x) Q(W)^T`` (weights and activations together).
+    """
+    x = stats.sampler.sample.float()
+    x_hat = quantize_input(x, iq)
+    w, w_hat = w.float().to(x.device), w_hat.float().to(x.device)
+    absmax = stats.absmax
+    out = {
+        "activations": iq.scheme.label(),
+        "absmax": round(absmax, 6),
+        "input_sqnr_db": _json_db(sqnr_db(x, x_hat)),
+        "output_sqnr_db": _json_db(sqnr_db(x @ w.T, x_hat @ w_hat.T)),
+    }
+    if iq.scale is not None:
+        t = float(iq.scale) * half_range(iq.scheme.bits)
+        out.update(
+            threshold=round(t, 6),
+            clip_ratio=round(t / absmax, 6) if absmax > 0 else 1.0,
+            clipped=clipped_fraction(stats.histogram.counts, stats.histogram.edges, t),
+        )
+    return out

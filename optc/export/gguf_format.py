@@ -1,0 +1,376 @@
+"""GGUF files for llama.cpp users (Q4_0, Q8_0, F16), written with the ``gguf`` package.
+
+Block types (ggml ``ggml-common.h``; gguf-py ``quants.py``, checked against the installed gguf):
+
+- ``Q4_0``: 32 consecutive weights of a row (along the input dimension) per 18-byte block: a
+  float16 ``d``, then 16 bytes where byte ``j`` holds element ``j`` in its low nibble and element
+  ``j + 16`` in its high nibble; ``x = d * (nibble - 8)``.
+- ``Q8_0``: a float16 ``d`` and 32 int8 ``q`` per 34-byte block; ``x = d * q``.
+
+Mapping optc's grids (``W = (q - z) * s`` per group along the input dimension): when every
+32-weight block lies inside one group and the integers ``q - z`` fit the block type (Q4_0: [-8, 7],
+i.e. symmetric grids of up to 4 bits; Q8_0: [-128, 127], symmetric up to 8 bits or asymmetric up
+to 7), a block is ``d = s`` (rounded to float16) with those integers, and the file computes what
+optc computed. For symmetric 4-bit, optc's ``q`` in [-8, 7] is exactly Q4_0's ``nibble - 8``.
+Otherwise the weights are re-quantized by gguf's reference (round-to-nearest) quantizer, and the
+summary says which modules were.
+
+Llama-family layout (llama.cpp ``convert_hf_to_gguf.py``, which transformers' GGUF loader undoes):
+tensor names from ``gguf.get_tensor_name_map``; for ``llama`` the rows of ``q_proj``/``k_proj``
+are permuted from HF's half-split rotary layout to llama.cpp's interleaved one. Row permutations
+keep each row's blocks intact, so exactness survives them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import optc
+from optc.compress.quant import QuantParams
+from optc.errors import OptcError
+from optc.export.gptq_format import grid_codes
+
+log = logging.getLogger(__name__)
+
+BLOCK = 32
+# GGUF type name -> (block integer range or None for float, llama.cpp file type)
+GGUF_TYPES: dict[str, tuple[tuple[int, int] | None, int]] = {
+    "q4_0": ((-8, 7), 2),  # LlamaFileType.MOSTLY_Q4_0
+    "q8_0": ((-128, 127), 7),  # LlamaFileType.MOSTLY_Q8_0
+    "f16": (None, 1),  # LlamaFileType.MOSTLY_F16
+}
+# HF model_type -> (gguf architecture, permute q/k rows for llama.cpp's rotary layout)
+ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
+
+
+def _ggml_type(qtype: str):
+    from gguf import GGMLQuantizationType
+
+    return {"q4_0": GGMLQuantizationType.Q4_0, "q8_0": GGMLQuantizationType.Q8_0,
+            "f16": GGMLQuantizationType.F16}[qtype]
+
+
+def check_qtype(qtype: str) -> str:
+    qtype = qtype.lower()
+    if qtype not in GGUF_TYPES:
+        raise OptcError(f"unknown GGUF type {qtype!r} (expected one of {', '.join(GGUF_TYPES)})")
+    return qtype
+
+
+# --- exact block encoding (pure tensor functions) ---------------------------------------------
+
+
+def block_fit(p: QuantParams, qtype: str) -> str | None:
+    """Why ``p``'s grid cannot be stored exactly as ``qtype`` blocks, or None when it can."""
+    span, _ = GGUF_TYPES[check_qtype(qtype)]
+    if span is None:
+        return f"{qtype} is a float type"
+    s = p.scheme
+    levels = (s.qmin, s.qmax) if s.symmetric else (-(2**s.bits - 1), 2**s.bits - 1)
+    if levels[0] < span[0] or levels[1] > span[1]:
+        return (f"{s.label()} weights need integers in [{levels[0]}, {levels[1]}], "
+                f"{qtype.upper()} blocks hold [{span[0]}, {span[1]}]")
+    k = p.g_idx.numel()
+    if k % BLOCK:
+        return f"K={k} is not a multiple of {qtype.upper()}'s {BLOCK}-weight blocks"
+    runs = p.g_idx.view(-1, BLOCK)
+    if bool((runs != runs[:, :1]).any()):
+        return f"groups of {s.group_size} columns split {qtype.upper()}'s {BLOCK}-weight blocks"
+    return None
+
+
+def block_codes(w: torch.Tensor, p: QuantParams, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block integers ``q - z`` ([N, K] int16) and scales ``d`` ([N, K/32] float16)."""
+    g_idx = p.g_idx.long()
+    ints = grid_codes(name, w, p).to(torch.int16) - p.zero[:, g_idx].to(torch.int16)
+    d = p.scale[:, g_idx[::BLOCK]].to(torch.float16)
+    return ints, d
+
+
+def encode_blocks(ints: torch.Tensor, d: torch.Tensor, qtype: str) -> np.ndarray:
+    """Raw ``qtype`` blocks ([N, K/32 * block bytes] uint8) of integers ``ints`` and scales ``d``."""
+    n, k = ints.shape
+    nb = k // BLOCK
+    d_bytes = d.contiguous().view(torch.uint8).view(n, nb, 2)
+    if qtype == "q4_0":
+        u = (ints + 8).to(torch.uint8).view(n, nb, BLOCK)
+        qs = u[..., : BLOCK // 2] | (u[..., BLOCK // 2 :] << 4)
+    elif qtype == "q8_0":
+        qs = ints.to(torch.int8).view(n, nb, BLOCK).view(torch.uint8)
+    else:
+        raise ValueError(f"{qtype} has no integer blocks")
+    return torch.cat([d_bytes, qs], dim=-1).reshape(n, -1).numpy()
+
+
+def decode_blocks(raw: np.ndarray, qtype: str, k: int) -> np.ndarray:
+    """Float32 weights [N, K] of raw blocks, straight from the block definitions above."""
+    n = raw.shape[0]
+    nb = k // BLOCK
+    blocks = raw.reshape(n, nb, -1)
+    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [N, nb, 1]
+    if qtype == "q4_0":
+        qs = blocks[..., 2:]
+        ints = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int32) - 8
+    else:
+        ints = blocks[..., 2:].copy().view(np.int8).astype(np.int32)
+    return (d * ints).reshape(n, k)
+
+
+def permute_rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """HF's half-split rotary rows of each head -> llama.cpp's interleaved pairs (convert_hf_to_gguf)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+
+def _pre_tokenizer_name(pre: dict | None) -> str:
+    """llama.cpp's ``tokenizer.ggml.pre`` for a byte-level BPE pre-tokenizer we can recognise."""
+    if pre and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
+        return "gpt2"
+    if pre and pre.get("type") == "Sequence":
+        parts = pre.get("pretokenizers") or []
+        splits = [p for p in parts if p.get("type") == "Split"]
+        if len(splits) == 1:
+            regex = (splits[0].get("pattern") or {}).get("Regex")
+            try:
+                from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+            except ImportError:
+                GGUF_PRE_TOKENIZER_SPLITS = {}
+            for name, pattern in GGUF_PRE_TOKENIZER_SPLITS.items():
+                if pattern == regex:
+                    return name
+    log.warning("pre-tokenizer %s has no llama.cpp name known to optc; writing 'default'", pre)
+    return "default"
+
+
+def tokenizer_metadata(tokenizer) -> dict:
+    """The ``tokenizer.ggml.*`` values of a byte-level BPE tokenizer (GPT-2 style, ``gpt2`` model)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise OptcError("GGUF export needs a fast (tokenizers) tokenizer")
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or model.get("byte_fallback") or (spec.get("decoder") or {}).get("type") != "ByteLevel":
+        raise OptcError(
+            f"GGUF export writes byte-level BPE tokenizers only; this one is {model.get('type')} "
+            f"with decoder {(spec.get('decoder') or {}).get('type')}"
+        )
+    vocab: dict[str, int] = dict(model["vocab"])
+    types = {i: 1 for i in vocab.values()}  # NORMAL
+    for added in spec.get("added_tokens") or []:
+        vocab[added["content"]] = added["id"]
+        types[added["id"]] = 3 if added.get("special") else 4  # CONTROL / USER_DEFINED
+    size = max(vocab.values()) + 1
+    tokens = [f"[PAD{i}]" for i in range(size)]
+    token_types = [5] * size  # UNUSED, for ids no token claims
+    for text, i in vocab.items():
+        tokens[i], token_types[i] = text, types[i]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    meta = {
+        "model": "gpt2",
+        "pre": _pre_tokenizer_name(spec.get("pre_tokenizer")),
+        "tokens": tokens,
+        "token_type": token_types,
+        "merges": merges,
+        "add_bos_token": bool(getattr(tokenizer, "add_bos_token", False)),
+    }
+    for key, attr in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("unknown_token_id", "unk_token_id"), ("padding_token_id", "pad_token_id")):
+        value = getattr(tokenizer, attr, None)
+        if value is not None:
+            meta[key] = int(value)
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        meta["chat_template"] = template
+    return meta
+
+
+def _add_tokenizer(writer, meta: dict) -> None:
+    writer.add_tokenizer_model(meta["model"])
+    writer.add_tokenizer_pre(meta["pre"])
+    writer.add_token_list(meta["tokens"])
+    writer.add_token_types(meta["token_type"])
+    writer.add_token_merges(meta["merges"])
+    writer.add_add_bos_token(meta["add_bos_token"])
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                     ("unknown_token_id", writer.add_unk_token_id), ("padding_token_id", writer.add_pad_token_id)):
+        if key in meta:
+            add(meta[key])
+    if "chat_template" in meta:
+        writer.add_chat_template(meta["chat_template"])
+
+
+# --- writer -----------------------------------------------------------------------------------
+
+
+def _rope_theta(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type != "default":
+        raise OptcError(f"GGUF export writes plain RoPE only; this model uses rope_type {rope_type!r}")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise OptcError("the model config has no rope_theta")
+    return float(theta)
+
+
+def _add_hparams(writer, config) -> int:
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
+    writer.add_vocab_size(config.vocab_size)
+    return head_dim
+
+
+def check_gguf_model(model: torch.nn.Module) -> tuple[str, bool]:
+    """GGUF architecture and q/k permutation of ``model``, or a refusal with the reason."""
+    mt = getattr(model.config, "model_type", None)
+    if mt not in ARCHITECTURES:
+        raise OptcError(
+            f"GGUF export supports Llama-family models ({', '.join(ARCHITECTURES)}); this is {mt!r}"
+        )
+    return ARCHITECTURES[mt]
+
+
+def plan_gguf(model: torch.nn.Module, qparams: dict[str, QuantParams], qtype: str,
+              requantize: bool = False) -> dict[str, str]:
+    """How each decoder Linear is stored: ``exact``, ``rounded`` (float, gguf's quantizer), or
+    ``requantized`` (optc grid that does not fit, rounded again). Refuses a misfit unless
+    ``requantize``."""
+    qtype = check_qtype(qtype)
+    head = model.get_output_embeddings()
+    plan: dict[str, str] = {}
+    misfits: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is head:
+            continue
+        if GGUF_TYPES[qtype][0] is None:
+            plan[name] = "float"
+            continue
+        if module.in_features % BLOCK:
+            raise OptcError(f"{qtype.upper()} stores rows in {BLOCK}-weight blocks; {name} has K={module.in_features}")
+        if name not in qparams:
+            plan[name] = "rounded"
+            continue
+        reason = block_fit(qparams[name], qtype)
+        if reason is None:
+            plan[name] = "exact"
+        else:
+            plan[name] = "requantized"
+            misfits[name] = reason
+    if misfits and not requantize:
+        name, reason = next(iter(misfits.items()))
+        raise OptcError(
+            f"GGUF {qtype.upper()} cannot hold {name}'s grid exactly ({reason}; {len(misfits)} module(s)); "
+            "pass requantize to round the dequantized weights again with llama.cpp's quantizer"
+        )
+    for name, reason in misfits.items():
+        log.warning("%s: re-quantized to %s (%s)", name, qtype.upper(), reason)
+    return plan
+
+
+def write_gguf(
+    model: torch.nn.Module,
+    tokenizer,
+    path: Path,
+    qtype: str,
+    qparams: dict[str, QuantParams] | None = None,
+    *,
+    requantize: bool = False,
+) -> dict:
+    """Write ``model`` as one GGUF file of type ``qtype`` (``q4_0``, ``q8_0`` or ``f16``).
+
+    Decoder Linears with an optc grid that fits the block type are stored exactly; float Linears
+    are rounded by gguf's reference quantizer (plain round-to-nearest); a grid that does not fit is
+    refused unless ``requantize``. Embeddings and an untied output head stay float16, norms float32.
+    """
+    import gguf
+
+    qtype = check_qtype(qtype)
+    qparams = qparams or {}
+    arch, permute = check_gguf_model(model)
+    plan = plan_gguf(model, qparams, qtype, requantize)
+    meta = tokenizer_metadata(tokenizer)
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    name_map = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+    path = Path(path)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(str(getattr(config, "_name_or_path", "") or "optc model"))
+    _add_hparams(writer, config)
+    writer.add_file_type(GGUF_TYPES[qtype][1])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    exact = [n for n, how in plan.items() if how == "exact"]
+    writer.add_string("optc.version", optc.__version__)
+    if exact:
+        schemes = sorted({qparams[n].scheme.label() for n in exact})
+        writer.add_string("optc.scheme", ", ".join(schemes))
+    writer.add_uint32("optc.exact_modules", len(exact))
+    _add_tokenizer(writer, meta)
+
+    modules = dict(model.named_modules())
+    head = model.get_output_embeddings()
+    head_name = next((n for n, m in modules.items() if m is head), None) if head is not None else None
+    tied = head_name is not None and getattr(config, "tie_word_embeddings", False)
+    written = 0
+    with torch.no_grad():
+        for key, t in model.state_dict().items():
+            mod, _, leaf = key.rpartition(".")
+            if tied and mod == head_name:
+                continue  # absent output.weight tells loaders the head is tied
+            base = name_map.get_name(mod)
+            if base is None:
+                raise OptcError(f"GGUF export has no llama.cpp name for {key}")
+            rows = heads if mod.endswith("q_proj") else kv_heads if mod.endswith("k_proj") else 0
+            how = plan.get(mod) if leaf == "weight" else None
+            data, raw = _tensor_data(t, how, qtype, qparams.get(mod), modules.get(mod), mod)
+            if permute and rows:
+                data = permute_rotary_rows(data, rows)
+            writer.add_tensor(f"{base}.{leaf}", data, raw_dtype=raw)
+            written += 1
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    counts = {how: sum(1 for h in plan.values() if h == how) for how in sorted(set(plan.values()))}
+    summary = {
+        "format": f"gguf/{qtype}",
+        "file": path.name,
+        "bytes": path.stat().st_size,
+        "tensors": written,
+        "modules": counts,
+        "requantized": sorted(n for n, h in plan.items() if h == "requantized"),
+        "rounded": sorted(n for n, h in plan.items() if h == "rounded"),
+    }
+    log.info("gguf %s: %s, %d bytes in %s", qtype, counts, summary["bytes"], path)
+    return summary
+
+
+def _tensor_data(t: torch.Tensor, how: str | None, qtype: str, p: QuantParams | None, module, name: str = ""):
+    """Array to write for one state-dict tensor and its raw GGML type (None: from the array dtype)."""
+    import gguf
+
+    if how == "exact":
+        ints, d = block_codes(module.weight, p, name)
+        return encode_blocks(ints, d, qtype), _ggml_type(qtype)
+    w = t.detach().float().cpu().numpy()
+    if how in ("rounded", "requantized"):
+        return gguf.quants.quantize(w, _ggml_type(qtype)), _ggml_type(qtype)
+    # Norms and biases stay float32 (llama.cpp keeps 1-D tensors so); matrices float16.
+    return (w if t.dim() == 1 else w.astype(np.float16)), None

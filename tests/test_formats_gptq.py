@@ -1,0 +1,201 @@
+"""GPTQ format (AutoGPTQ / GPTQModel v1): layout proven by a reference unpacker written here from
+the published pack loop, and the reloaded model computing what optc's in-memory model computes.
+
+The reference reads AutoGPTQ's ``QuantLinear.pack()`` backwards (``qlinear_cuda_old.py``): for 2/4/8
+bits ``qweight[row] |= intweight[j] << (bits * (j - i))`` over ``32 / bits`` consecutive input rows;
+for 3 bits the 10 / 1 / 10 / 1 / 10 sequence across three words; ``qzeros`` the same along the
+output dimension after ``zeros -= 1`` (v1); dequantization ``scales[g_idx] * (q - (zeros + 1))``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from optc.compress.quant import QuantParams, QuantScheme, dequantize, quantize
+from optc.errors import OptcError
+from optc.export.convert import export_model
+from optc.export.gptq_format import pack_qzeros, v1_representable, write_gptq
+from optc.models import load_model
+from optc.stages import GPTQStage, Workspace, run_gptq
+from test_formats_support import (  # noqa: F401 - fixtures
+    fp16_tolerance,
+    logits,
+    quantize_rtn,
+    tiny_ids,
+    tiny_lm,
+    tiny_tokenizer,
+)
+
+
+def _u32(word: int) -> int:
+    return word & 0xFFFFFFFF
+
+
+def ref_unpack_column(words: list[int], bits: int) -> list[int]:
+    """Unsigned values of one packed column (consecutive words), as AutoGPTQ's pack wrote them."""
+    mask = (1 << bits) - 1
+    out: list[int] = []
+    if bits in (2, 4, 8):
+        for w in words:
+            out += [(_u32(w) >> (bits * i)) & mask for i in range(32 // bits)]
+        return out
+    assert bits == 3
+    for r in range(0, len(words), 3):
+        w0, w1, w2 = (_u32(w) for w in words[r : r + 3])
+        out += [(w0 >> (3 * j)) & 7 for j in range(10)]
+        out.append((w0 >> 30) | ((w1 & 1) << 2))  # element 10: two bits, then one
+        out += [(w1 >> (3 * j + 1)) & 7 for j in range(10)]
+        out.append((w1 >> 31) | ((w2 & 3) << 1))  # element 21: one bit, then two
+        out += [(w2 >> (3 * j + 2)) & 7 for j in range(10)]
+    return out
+
+
+def ref_dequantize(tensors: dict[str, torch.Tensor], name: str, bits: int) -> torch.Tensor:
+    """W [N, K] from a GPTQ v1 module, following the reference PyTorch dequantization."""
+    qweight, qzeros = tensors[f"{name}.qweight"], tensors[f"{name}.qzeros"]
+    scales, g_idx = tensors[f"{name}.scales"].float(), tensors[f"{name}.g_idx"].long()
+    n = scales.shape[1]
+    q = torch.tensor([ref_unpack_column(qweight[:, c].tolist(), bits) for c in range(n)])  # [N, K]
+    zeros = torch.tensor([ref_unpack_column(row, bits)[:n] for row in qzeros.tolist()]) + 1  # [G, N]
+    return (scales[g_idx].t() * (q - zeros[g_idx].t())).float()
+
+
+def load_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(directory / "model.safetensors"))
+
+
+def expected_weight(w: torch.Tensor, p: QuantParams) -> torch.Tensor:
+    """optc's dequantized weight with the scales rounded to float16, as the format stores them."""
+    p16 = QuantParams(p.scheme, p.scale.half().float(), p.zero, p.g_idx)
+    return dequantize(quantize(w, p), p16)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_layout_matches_reference_unpacker(tiny_lm, tiny_tokenizer, tiny_ids, tmp_path, bits, symmetric) -> None:
+    model, qparams = quantize_rtn(tiny_lm, tiny_tokenizer, bits=bits, symmetric=symmetric, group_size=32)
+    summary = write_gptq(model, qparams, tmp_path)
+    assert summary["modules"] == 14
+    tensors = load_tensors(tmp_path)
+    for name, p in qparams.items():
+        w = model.get_submodule(name).weight
+        k = w.shape[1]
+        assert tensors[f"{name}.qweight"].shape == (k * bits // 32, w.shape[0])
+        assert tensors[f"{name}.scales"].dtype == torch.float16
+        assert torch.equal(ref_dequantize(tensors, name, bits), expected_weight(w, p)), name
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc == json.loads((tmp_path / "quantize_config.json").read_text())
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["desc_act"]) == ("gptq", bits, 32, symmetric, False)
+    assert qc["checkpoint_format"] == "gptq"
+
+    # optc's own reader gives back a model computing the same logits.
+    tiny_tokenizer.save_pretrained(tmp_path)
+    reloaded = load_model(str(tmp_path))
+    assert set(reloaded.qparams) == set(qparams)
+    ref = logits(model, tiny_ids)
+    assert (logits(reloaded.model, tiny_ids) - ref).abs().max() <= fp16_tolerance(ref)
+
+
+def test_symmetric_4bit_zeros_are_0x77777777(tiny_lm, tiny_tokenizer, tmp_path) -> None:
+    model, qparams = quantize_rtn(tiny_lm, tiny_tokenizer, bits=4, symmetric=True, group_size=64)
+    write_gptq(model, qparams, tmp_path)
+    qzeros = load_tensors(tmp_path)["model.layers.0.mlp.up_proj.qzeros"]
+    # v1: the symmetric zero 8 is stored as 7 in every nibble.
+    assert {_u32(w) for w in qzeros.flatten().tolist()} == {0x77777777}
+
+
+def test_act_order_permuted_groups_carry_g_idx(tiny_lm, tiny_tokenizer, tiny_ids, tmp_path) -> None:
+    import copy
+
+    from optc.testing import tiny_tokens
+
+    model = copy.deepcopy(tiny_lm)
+    ws = Workspace(model, tiny_tokenizer)
+    ws._ids = tiny_tokens(8, 32) % len(tiny_tokenizer)
+    run_gptq(ws, GPTQStage(type="gptq", scheme={"bits": 4, "group_size": 32}, groups="permuted"))
+    assert any(p.actorder for p in ws.qparams.values())
+    write_gptq(model, ws.qparams, tmp_path)
+    tensors = load_tensors(tmp_path)
+    name = next(n for n, p in ws.qparams.items() if p.actorder)
+    g_idx = tensors[f"{name}.g_idx"]
+    assert not torch.equal(g_idx, torch.arange(g_idx.numel(), dtype=torch.int32) // 32)
+    assert torch.equal(ref_dequantize(tensors, name, 4), expected_weight(model.get_submodule(name).weight, ws.qparams[name]))
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["desc_act"] is True
+    tiny_tokenizer.save_pretrained(tmp_path)
+    ref = logits(model, tiny_ids)
+    assert (logits(load_model(str(tmp_path)).model, tiny_ids) - ref).abs().max() <= fp16_tolerance(ref)
+
+
+def _one_group(codes: list[int], zero: int, bits: int = 4) -> tuple[torch.Tensor, QuantParams]:
+    scheme = QuantScheme(bits=bits, symmetric=False, group_size=len(codes))
+    q = torch.tensor([codes], dtype=torch.int8)
+    p = QuantParams(scheme, torch.ones(1, 1), torch.tensor([[zero]], dtype=torch.int32),
+                    torch.zeros(len(codes), dtype=torch.int32))
+    return q, p
+
+
+def test_v1_zero_point_zero_is_shifted_exactly_or_refused() -> None:
+    # Unsigned zero 0 (signed -8) cannot be stored as zero - 1; codes below the top shift exactly.
+    q, p = _one_group([-8, -3, 6], zero=-8)
+    q2, p2 = v1_representable(q, p, "m")
+    assert int(p2.zero) == -7 and q2.tolist() == [[-7, -2, 7]]
+    assert torch.equal(dequantize(q2, p2), dequantize(q, p))
+    stored = pack_qzeros(p2.zero.expand(8, 1), 4)
+    assert _u32(int(stored[0, 0])) == 0  # unsigned zero 1, stored as 0
+    q, p = _one_group([-8, 7], zero=-8)  # uses the top code: no exact shift exists
+    with pytest.raises(OptcError, match="zero point 0"):
+        v1_representable(q, p, "m")
+
+
+def test_refusals_write_nothing(tiny_lm, tiny_tokenizer, tmp_path) -> None:
+    from optc.export.checkpoint import staged_output
+
+    cases = {
+        "5-bit": quantize_rtn(tiny_lm, tiny_tokenizer, bits=5, group_size=32),
+    }
+    mixed_model, mixed = quantize_rtn(tiny_lm, tiny_tokenizer, bits=4, group_size=32)
+    _, eight = quantize_rtn(tiny_lm, tiny_tokenizer, bits=8, group_size=32)
+    mixed["model.layers.1.mlp.down_proj"] = eight["model.layers.1.mlp.down_proj"]
+    cases["mixed"] = (mixed_model, mixed)
+    partial_model, partial = quantize_rtn(tiny_lm, tiny_tokenizer, bits=4, group_size=32)
+    del partial["model.layers.0.self_attn.q_proj"]
+    cases["float Linear"] = (partial_model, partial)
+    reasons = {"5-bit": "2/3/4/8-bit", "mixed": "one scheme", "float Linear": "stay float"}
+    for label, (model, qparams) in cases.items():
+        target = tmp_path / label.replace(" ", "-")
+        with pytest.raises(OptcError, match=reasons[label]):
+            with staged_output(target, overwrite=False) as tmp:
+                export_model(model, tiny_tokenizer, qparams, "gptq", tmp)
+        assert not target.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_dimensions_must_fill_32_element_blocks(tmp_path) -> None:
+    from optc.testing import tiny_model
+
+    model = tiny_model("llama")  # intermediate size 200
+    _, qparams = quantize_rtn(model, None, bits=4, group_size=32)
+    with pytest.raises(OptcError, match="multiples of 32"):
+        write_gptq(model, qparams, tmp_path)
+
+
+@pytest.mark.real_model
+def test_real_model_gptq_checkpoint_reloads_with_same_logits(default_model, tmp_path) -> None:
+    model, qparams = quantize_rtn(default_model.model, default_model.tokenizer, bits=4, group_size=128)
+    summary = export_model(model, default_model.tokenizer, qparams, "gptq", tmp_path)
+    # K=576 is not a multiple of 128: stored exactly with groups of 64, one group size for all.
+    assert summary["scheme"] == "int4-sym-g64" and summary["modules"] == 210
+    reloaded = load_model(str(tmp_path))
+    ids = default_model.tokenizer("The capital of France is Paris, and", return_tensors="pt").input_ids
+    ref = logits(model, ids)
+    assert (logits(reloaded.model, ids) - ref).abs().max() <= fp16_tolerance(ref)
+    tensors = load_tensors(tmp_path)
+    name = "model.layers.3.self_attn.k_proj"
+    assert torch.equal(ref_dequantize(tensors, name, 4), expected_weight(model.get_submodule(name).weight, qparams[name]))
