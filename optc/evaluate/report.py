@@ -270,9 +270,14 @@ def layer_statistics(
     from optc.calibrate.modules import select_linears, weight_2d
 
     schemes, errors = schemes or {}, errors or {}
-    ref_linears = select_linears(reference, [".*"], []) if reference is not None else {}
+    try:
+        linears = select_linears(model, [".*"], [])
+        ref_linears = select_linears(reference, [".*"], []) if reference is not None else {}
+    except OptcError as exc:  # an architecture without recognisable decoder layers
+        log.info("no per-layer statistics: %s", exc)
+        return []
     rows = []
-    for name, module in select_linears(model, [".*"], []).items():
+    for name, module in linears.items():
         w = weight_2d(module).detach()
         err = errors.get(name)
         if err is None and name in ref_linears:

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from optc.calibrate.modules import select_linears, weight_2d
+from optc.errors import OptcError
 
 # Tensor-name suffixes that belong to one quantized Linear's storage (compressed-tensors,
 # GPTQ and AWQ layouts), besides the plain ``.weight`` / ``.bias``.
@@ -49,7 +50,10 @@ def _linear_of(key: str, linears: set[str]) -> str | None:
 def size_metrics(model: torch.nn.Module, path: Path | None) -> dict:
     """The ``metrics.size`` section of a report for ``model`` stored at ``path`` (if any)."""
     parameters, nonzero = parameter_counts(model)
-    linears = select_linears(model, [".*"], [])
+    try:
+        linears = select_linears(model, [".*"], [])
+    except OptcError:  # no recognisable decoder layers: whole-model numbers only
+        linears = {}
     linear_params = sum(weight_2d(m).numel() for m in linears.values())
     linear_zeros = sum(int((weight_2d(m) == 0).sum()) for m in linears.values())
     out = {
