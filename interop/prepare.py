@@ -35,7 +35,7 @@ def main() -> None:
     loaded = load_model("smollm2-135m")
     test = DATA / "wikitext-2-raw-test.txt"
     tokens = evaluation_tokens(loaded.tokenizer, str(test) if test.is_file() else "builtin")
-    windows = [tokens[a:b].tolist() for a, b in windows_of(tokens, args.seqlen, args.seqlen, args.windows)]
+    windows = [tokens[s : s + args.seqlen].tolist() for s, _ in windows_of(tokens, args.seqlen, args.seqlen, args.windows)]
     model = copy.deepcopy(loaded.model)
     ws = Workspace(model, loaded.tokenizer)
     run_rtn(ws, RTNStage(type="rtn", scheme={"bits": 4, "symmetric": True, "group_size": 64}))
