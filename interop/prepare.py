@@ -22,7 +22,8 @@ from optc.models import load_model
 from optc.stages import RTNStage, Workspace, run_rtn
 
 DATA = Path(os.environ.get("OPTC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
-FORMATS = ("compressed-tensors", "gptq", "awq")
+# "dense" holds the same dequantized weights in float: the runtime's own baseline for them.
+FORMATS = ("dense", "compressed-tensors", "gptq", "awq")
 
 
 def main() -> None:
