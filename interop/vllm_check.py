@@ -16,11 +16,13 @@ import math
 from pathlib import Path
 
 
-def vllm_perplexity(directory: Path, windows: list[list[int]], seqlen: int) -> float:
+def vllm_perplexity(directory: Path, windows: list[list[int]], seqlen: int, memory: float) -> float:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=str(directory), dtype="bfloat16", max_model_len=seqlen + 64, enforce_eager=True)
+    # On CPU, gpu_memory_utilization is the fraction of host memory vLLM reserves (mostly KV cache).
+    llm = LLM(model=str(directory), dtype="bfloat16", max_model_len=seqlen + 64, enforce_eager=True,
+              gpu_memory_utilization=memory)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows],
                            SamplingParams(max_tokens=1, prompt_logprobs=0))
     nll, count = 0.0, 0
@@ -38,13 +40,14 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--formats", nargs="+", default=["dense", "compressed-tensors", "gptq", "awq"])
     ap.add_argument("--tolerance", type=float, default=0.01)
+    ap.add_argument("--memory", type=float, default=0.25, help="fraction of host memory vLLM may reserve")
     args = ap.parse_args()
     ref = json.loads((args.out / "reference.json").read_text())
     results, ok = {}, True
     for fmt in args.formats:
         want = ref["formats"][fmt]["optc_reader"]
         try:
-            got = vllm_perplexity(args.out / fmt, ref["windows"], ref["seqlen"])
+            got = vllm_perplexity(args.out / fmt, ref["windows"], ref["seqlen"], args.memory)
         except Exception as exc:  # noqa: BLE001 - a runtime that cannot load the file is a result
             results[fmt] = {"optc_reader": want, "vllm": None, "error": f"{type(exc).__name__}: {exc}"[:300]}
             ok = False
