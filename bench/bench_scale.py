@@ -67,8 +67,8 @@ def small_vocab_tokenizer(directory: Path, vocab: int):
     return tokenizer
 
 
-def run_child(cmd: list[str], log: Path) -> tuple[float, float, int]:
-    """Wall seconds, peak RSS (GiB) and exit code of ``cmd``, its output to ``log``."""
+def run_child(cmd: list[str], log: Path) -> tuple[float, float, float, int]:
+    """Wall seconds, CPU seconds, peak RSS (GiB) and exit code of ``cmd``, its output to ``log``."""
     t0 = time.perf_counter()
     pid = os.fork()
     if pid == 0:
@@ -77,7 +77,8 @@ def run_child(cmd: list[str], log: Path) -> tuple[float, float, int]:
             os.dup2(fh.fileno(), 2)
         os.execvp(cmd[0], cmd)
     _, status, usage = os.wait4(pid, 0)
-    return time.perf_counter() - t0, usage.ru_maxrss * 1024 / 2**30, os.waitstatus_to_exitcode(status)
+    cpu = usage.ru_utime + usage.ru_stime
+    return time.perf_counter() - t0, cpu, usage.ru_maxrss * 1024 / 2**30, os.waitstatus_to_exitcode(status)
 
 
 def main() -> None:
@@ -120,20 +121,21 @@ def main() -> None:
                "--quiet"]
         cmd += ["--windows", str(args.windows)] if args.windows else ["--no-eval"]
         print("running:", " ".join(cmd[2:]), flush=True)
-        seconds, peak, code = run_child(cmd, root / "optc.log")
+        seconds, cpu, peak, code = run_child(cmd, root / "optc.log")
         if code:
             print((root / "optc.log").read_text()[-4000:])
             raise SystemExit(f"optc quantize failed with exit code {code}")
         report = json.loads((root / "out" / "report.json").read_text())
         m = report["metrics"]
-        print(f"peak RSS {peak:.2f} GiB ({peak * 2**30 / size:.0%} of the model's size), wall time {seconds:.0f} s")
+        print(f"peak RSS {peak:.2f} GiB ({peak * 2**30 / size:.0%} of the model's size), wall time {seconds:.0f} s, "
+              f"CPU time {cpu:.0f} s")
         print("timings:", ", ".join(f"{k} {v:.0f} s" for k, v in report["timings"].items()))
         print(f"parameters {m['parameters']:,}; checkpoint {report['checkpoint']['bytes'] / 1e9:.2f} GB "
               f"({m['size']['linear_bits_per_weight']} bits per decoder-Linear weight)")
         if args.windows:
             print(f"perplexity (random weights, {args.windows} x 512 built-in windows): baseline "
                   f"{m['perplexity_baseline']['perplexity']:.1f}, GPTQ W4 {m['perplexity_compressed']['perplexity']:.1f}")
-        print(json.dumps({"peak_rss_gib": round(peak, 3), "wall_s": round(seconds, 1), "model_bytes": size,
+        print(json.dumps({"peak_rss_gib": round(peak, 3), "wall_s": round(seconds, 1), "cpu_s": round(cpu, 1), "model_bytes": size,
                           "parameters": m["parameters"]}))
     finally:
         if args.keep:

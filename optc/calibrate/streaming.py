@@ -2,8 +2,9 @@
 checkpoint's safetensors shards only while a part of the model is needed.
 
 :class:`CheckpointSource` reads tensors by name from a checkpoint directory (single file or
-sharded, through ``safe_open``, which memory-maps the file), dequantizing pack-quantized
-Linears when the checkpoint is one optc wrote. :func:`materialize` fills a module's meta
+sharded): the safetensors headers give each tensor's byte range, and the bytes are read straight
+into the tensor, nothing else. Pack-quantized Linears are dequantized when the checkpoint is
+one optc wrote. :func:`materialize` fills a module's meta
 tensors from a source and :func:`release` turns them back into meta tensors, so at any time
 only the parts of the model in use occupy memory.
 """
@@ -17,7 +18,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from optc.errors import OptcError
@@ -85,19 +85,22 @@ class CheckpointSource:
         return h.dtype, h.shape
 
     def _raw(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        by_file: dict[Path, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self.files[k], []).append(k)
         out: dict[str, torch.Tensor] = {}
-        for path, names in by_file.items():
+        for k in keys:
+            sl = self.slice(k)
+            t = torch.empty(sl.shape, dtype=sl.dtype)
+            # Read straight into the tensor. A memory map (safe_open) would count every page
+            # it touches as resident until the file is closed, doubling the memory a layer
+            # takes while it loads (measured: 1.75 GiB instead of about 1.2 GiB on a 1.1B model).
             try:
-                # safe_open maps the file; each tensor is copied out, and the mapping is
-                # dropped when the block ends, so no page of the file stays resident.
-                with safe_open(str(path), framework="pt") as fh:
-                    for k in names:
-                        out[k] = fh.get_tensor(k)
-            except (SafetensorError, OSError) as exc:
-                raise OptcError(f"{path} is corrupt or truncated ({exc})") from None
+                with sl.path.open("rb") as fh:
+                    fh.seek(sl.offset)
+                    got = fh.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) if sl.nbytes else 0
+            except OSError as exc:
+                raise OptcError(f"{sl.path} cannot be read ({exc})") from None
+            if got != sl.nbytes:
+                raise OptcError(f"{sl.path} is truncated: {k} ends after {got} of {sl.nbytes} bytes")
+            out[k] = t
         return out
 
     def tensors(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
