@@ -199,14 +199,17 @@ def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
         )
         for name in names:
             module = step.linears[name]
+            # Each Hessian is dropped after its last Linear and each result once recorded,
+            # so the largest solve (down_proj, last) runs with nothing else held.
             res = gptq_quantize(
-                weight_2d(module).detach(), accs[name].H, cfg.scheme_for(name),
+                weight_2d(module).detach(), accs.pop(name).H, cfg.scheme_for(name),
                 block_size=cfg.block_size, dampening=cfg.dampening, actorder=cfg.actorder,
                 groups=cfg.groups, observer=cfg.observer, name=name, refit=cfg.refit_scales,
                 mask=ws.masks.get(name),  # a pruned layer: quantize only the kept weights
             )
             stats = _record_quantized(ws, name, module, res.weight, res.params)
             per_module[name] = {**stats, "gptq_loss": round(res.loss, 6)}
+            del res
         return {}
 
     layers = _run_calibration(ws, cfg, solve, "gptq", records=per_module)

@@ -26,7 +26,7 @@ import torch
 import optc
 from optc.calibrate.layerstore import LayerStore, state_dir_for
 from optc.calibrate.modules import find_decoder_layers
-from optc.calibrate.streaming import CheckpointSource, local_model_dir, meta_model
+from optc.calibrate.streaming import CheckpointSource, limit_heap_fragmentation, local_model_dir, meta_model
 from optc.data import check_disjoint
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.perplexity import evaluation_token_cache
@@ -256,6 +256,7 @@ def run_streaming(
     problem = streaming_problem(recipe)
     if problem:
         raise OptcError(f"calibration.streaming: {problem}")
+    limit_heap_fragmentation()
     t_start = time.perf_counter()
     torch.manual_seed(recipe.calibration.seed)
     if recipe.evaluation is not None:
@@ -345,6 +346,7 @@ def evaluate_streaming(source_name: str | None, baseline: str | None, opts, repo
     from optc.evaluate.suite import check_same_tokenizer, timed
 
     progress = progress or NullProgress()
+    limit_heap_fragmentation()
     if opts.latency or opts.tasks:
         raise OptcError("--streaming measures perplexity and size; --latency and --tasks need the model in memory")
     require_measurable(opts.gates, {"eval", "size"} | ({"baseline"} if baseline is not None else set()))
