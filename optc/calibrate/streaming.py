@@ -91,7 +91,8 @@ class CheckpointSource:
             t = torch.empty(sl.shape, dtype=sl.dtype)
             # Read straight into the tensor. A memory map (safe_open) would count every page
             # it touches as resident until the file is closed, doubling the memory a layer
-            # takes while it loads (bench-scale model, before the first layer: 1.75 GiB peak, 1.1 GiB read this way).
+            # takes while it loads (bench-scale model, up to the first layer: 1.75 GiB peak
+            # through safe_open, 1.1 GiB read this way).
             try:
                 with sl.path.open("rb") as fh:
                     fh.seek(sl.offset)
