@@ -120,7 +120,8 @@ class LayerStore:
             saved = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise OptcError(f"saved progress {path} cannot be read ({exc}); delete {self.directory} to start over") from None
-        where = f"{len(saved.get('layers', []))} layers of stage {saved.get('stage')} ({saved.get('stage_type')})"
+        n = len(saved.get("layers", []))
+        where = f"{n} layer{'s' if n != 1 else ''} of stage {saved.get('stage')} ({saved.get('stage_type')})"
         if not resume:
             raise OptcError(
                 f"{self.directory} holds the saved progress of an interrupted run ({where} done): "
@@ -338,7 +339,8 @@ class LayerStore:
         """Where the run stands, for the message printed on an interruption."""
         if self.stage is None or not self.layers:
             return "no layer finished yet"
-        return f"stage {self.stage[0]} ({self.stage[1]}): {len(self.layers)} layers done"
+        n = len(self.layers)
+        return f"stage {self.stage[0]} ({self.stage[1]}): {n} layer{'s' if n != 1 else ''} done"
 
     def has_progress(self) -> bool:
         return (self.directory / PROGRESS).is_file()
