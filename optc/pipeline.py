@@ -22,6 +22,7 @@ from optc.export.compressed_tensors import sparsity_config, write_sparsity_confi
 from optc.export.checkpoint import check_output, directory_bytes, staged_output, write_dense
 from optc.export.convert import FORMATS as CONVERT_FORMATS
 from optc.export.convert import check_recipe_export, export_model
+from optc.memory import trim
 from optc.models import load_model
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
@@ -112,6 +113,7 @@ def run_recipe(
     _add_eval_details(report, model)
 
     if output is not None:
+        trim()  # calibration's freed fragments, before export allocates the packed tensors
         with staged_output(output, overwrite, protect=loaded.path) as tmp:
             fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
             if ws.masks and recipe.export.sparsity_metadata and fmt.split("/")[0] in ("dense", "compressed-tensors"):

@@ -30,7 +30,7 @@ from optc.compress.actquant import (
     solve_input_quant,
 )
 from optc.compress.awq import apply_scale, awq_search_clip, awq_search_scale, resolve_mappings
-from optc.compress.gptq import gptq_quantize
+from optc.compress.gptq import GPTQResult, gptq_quantize
 from optc.compress.masks import nm_mask, nm_violations, parse_pattern, unstructured_mask
 from optc.compress.owl import outlier_ratio, owl_sparsities
 from optc.compress.quant import (
@@ -57,6 +57,7 @@ from optc.compress.structured import (
 from optc.compress.wanda import wanda_mask, wanda_scores
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
+from optc.memory import trim
 from optc.progress import NullProgress, Progress
 
 log = logging.getLogger(__name__)
@@ -177,6 +178,31 @@ class GPTQStage(_WeightQuantStage):
     observer: Literal["minmax", "mse"] = "mse"
 
 
+def solve_gptq(
+    step: LayerStep,
+    names: list[str],
+    hessians: dict[str, HessianAccumulator],
+    scheme_for: Callable[[str], QuantScheme | None],
+    masks: dict[str, torch.Tensor],
+    **options,
+) -> dict[str, GPTQResult]:
+    """GPTQ for the named Linears of one layer, each from its input's Hessian.
+
+    Linears that read one input share a Hessian but are solved one by one: stacking their
+    rows into one sweep gives the same result but was slower here (the larger working set
+    falls out of cache), so only the accumulation is shared.
+    """
+    results = {}
+    for name in names:
+        results[name] = gptq_quantize(
+            weight_2d(step.linears[name]).detach(), hessians[name].H, scheme_for(name),
+            mask=masks.get(name),  # a pruned layer: quantize only the kept weights
+            name=name, **options,
+        )
+        trim()  # each solve's temporaries, before the next one fragments the heap further
+    return results
+
+
 def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
     per_module: dict[str, dict] = {}
 
@@ -186,15 +212,13 @@ def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
         accs = step.collect(
             names, lambda n, m: HessianAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype)
         )
-        for name in names:
-            module = step.linears[name]
-            res = gptq_quantize(
-                weight_2d(module).detach(), accs[name].H, cfg.scheme_for(name),
-                block_size=cfg.block_size, dampening=cfg.dampening, actorder=cfg.actorder,
-                groups=cfg.groups, observer=cfg.observer, name=name, refit=cfg.refit_scales,
-                mask=ws.masks.get(name),  # a pruned layer: quantize only the kept weights
-            )
-            stats = _record_quantized(ws, name, module, res.weight, res.params)
+        results = solve_gptq(
+            step, names, {n: accs[n] for n in names}, cfg.scheme_for, ws.masks,
+            block_size=cfg.block_size, dampening=cfg.dampening, actorder=cfg.actorder,
+            groups=cfg.groups, observer=cfg.observer, refit=cfg.refit_scales,
+        )
+        for name, res in results.items():
+            stats = _record_quantized(ws, name, step.linears[name], res.weight, res.params)
             per_module[name] = {**stats, "gptq_loss": round(res.loss, 6)}
         return {}
 
@@ -268,7 +292,7 @@ def _run_calibration(ws: Workspace, cfg: _Stage, solve, description: str) -> lis
     return run_sequential(
         ws.model, ws.calibration_ids(), solve,
         targets=cfg.targets, ignore=cfg.ignore,
-        batch_size=ws.calibration.resolved_batch_size(), device=ws.device,
+        batch_size=ws.calibration.resolved_batch_size(ws.device), device=ws.device,
         autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description=description,
     )
 
@@ -425,16 +449,16 @@ def run_w8a8(ws: Workspace, cfg: W8A8Stage) -> dict:
             )
 
         accs = step.collect(names, make)
+        solved = solve_gptq(
+            step, names, {n: accs[n].extra[0] for n in names}, cfg.scheme_for, ws.masks,
+            dampening=cfg.dampening, actorder=cfg.actorder, observer=cfg.weight_observer,
+        ) if gptq else {}
         ranges: dict[tuple[int, ActivationScheme], dict] = {}  # shared inputs: solved once
         for name in names:
             module, acc, scheme = step.linears[name], accs[name], cfg.scheme_for(name)
             w = weight_2d(module).detach().clone()
             if gptq:
-                res = gptq_quantize(
-                    w, acc.extra[0].H, scheme, dampening=cfg.dampening, actorder=cfg.actorder,
-                    observer=cfg.weight_observer, name=name,
-                )
-                w_hat, p = res.weight, res.params
+                w_hat, p = solved[name].weight, solved[name].params
             else:
                 p = choose_qparams(w, scheme, cfg.weight_observer)
                 w_hat = fake_quantize(w, p)
@@ -607,7 +631,7 @@ def _owl_allocation(ws: Workspace, cfg: _CalibratedPruneStage) -> dict[str, floa
 
     run_sequential(
         ws.model, ws.calibration_ids(), observe, targets=cfg.targets, ignore=cfg.ignore,
-        batch_size=ws.calibration.resolved_batch_size(), device=ws.device, propagate=False,
+        batch_size=ws.calibration.resolved_batch_size(ws.device), device=ws.device, propagate=False,
         autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description="owl",
     )
     return dict(zip(ratios, owl_sparsities(list(ratios.values()), cfg.sparsity, cfg.owl_lambda)))
@@ -749,7 +773,7 @@ def run_structured(ws: Workspace, cfg: StructuredStage) -> dict:
 
     layer_stats = run_sequential(
         model, ws.calibration_ids(), solve, targets=[re.escape(o) + "$" for o in outputs], ignore=[],
-        batch_size=ws.calibration.resolved_batch_size(), device=ws.device,
+        batch_size=ws.calibration.resolved_batch_size(ws.device), device=ws.device,
         autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description="structured",
     )
     config = apply_plan_to_config(model.config, plan)

@@ -96,6 +96,7 @@ def test_kl_keeps_the_full_range_without_outliers() -> None:
     assert kl_threshold(obs.counts, obs.edges) > 0.95 * 3
 
 
+@pytest.mark.slow  # a speed target: timed only in the slow suite, never in CI's shared machine
 def test_kl_search_over_2048_bins_is_fast() -> None:
     obs = histogram_of(gaussian_with_outliers())
     assert obs.counts.numel() == 2048

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from optc.calibrate.modules import find_decoder_layers, select_linears
+from optc.memory import trim
 from optc.progress import NullProgress, Progress
 
 log = logging.getLogger(__name__)
@@ -42,14 +43,20 @@ class _StopForward(Exception):
 def input_hooks(
     modules: Mapping[str, nn.Module], fn: Callable[[str, torch.Tensor], None]
 ) -> Iterator[None]:
-    """Call ``fn(name, input)`` on each forward of each module; hooks always removed."""
+    """Call ``fn(name, input)`` before each forward of each module; hooks always removed.
+
+    A pre-hook (not a forward hook) so that ``fn`` may stop the forward before the module
+    computes anything, by raising.
+    """
     handles = []
     try:
         for name, module in modules.items():
-            def hook(_mod: nn.Module, args: tuple, _out: Any, _name: str = name) -> None:
-                fn(_name, args[0].detach())
+            def hook(_mod: nn.Module, args: tuple, _name: str = name) -> None:
+                # The very tensor the module reads (not a detached view, which would be a new
+                # object on every call): callers recognise shared inputs by identity.
+                fn(_name, args[0])
 
-            handles.append(module.register_forward_hook(hook))
+            handles.append(module.register_forward_pre_hook(hook))
         yield
     finally:
         for h in handles:
@@ -100,6 +107,17 @@ def _to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def _same_or(previous: Any, value: Any) -> Any:
+    """``previous`` where it holds exactly the same tensors as ``value``, else ``value``."""
+    if isinstance(value, torch.Tensor) and isinstance(previous, torch.Tensor):
+        same = previous.shape == value.shape and previous.dtype == value.dtype and torch.equal(previous, value)
+        return previous if same else value
+    if isinstance(value, tuple) and isinstance(previous, tuple) and len(value) == len(previous):
+        shared = tuple(_same_or(p, v) for p, v in zip(previous, value))
+        return previous if all(a is b for a, b in zip(shared, previous)) else value
+    return value
+
+
 def capture_first_layer_inputs(
     model: nn.Module, ids: torch.Tensor, batch_size: int, device: torch.device
 ) -> list[_Batch]:
@@ -112,6 +130,8 @@ def capture_first_layer_inputs(
         rest = args[1:] if args else ()
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
         kwargs["use_cache"] = False
+        if batches:  # one copy of what every batch shares (rotary cos/sin, position ids)
+            kwargs = {k: _same_or(batches[-1].kwargs.get(k), v) for k, v in kwargs.items()}
         batches.append(_Batch(hidden.detach(), rest, kwargs))
         raise _StopForward
 
@@ -159,6 +179,12 @@ class LayerStep:
         accs: dict[str, Accumulator] = {}
         alias: dict[str, str] = {}
         seen: list[tuple[torch.Tensor, str]] = []  # inputs of this batch, kept alive
+        # The first batch runs the whole layer and records the order in which the hooked
+        # Linears are called; later batches stop right before the last of those calls: the
+        # layer's output is not needed here, and the work after its last hooked input (in a
+        # Llama layer, down_proj and the residual add) is a quarter of its matmuls.
+        order: list[str] = []
+        stop: tuple[str, int] | None = None  # (last hooked Linear, its number of calls)
 
         def feed(name: str, x: torch.Tensor) -> None:
             if name not in accs and name not in alias:
@@ -172,11 +198,20 @@ class LayerStep:
             seen.append((x, name))
             if name in accs:
                 accs[name].add(x)
+            if stop is None:
+                order.append(name)
+            elif name == stop[0] and sum(n == name for _, n in seen) == stop[1]:
+                raise _StopForward
 
         self.forwards += 1
         with torch.inference_mode(), input_hooks({n: self.linears[n] for n in names}, feed):
-            for b in self.batches:
-                _call_layer(self.layer, b, self.autocast)
+            for i, b in enumerate(self.batches):
+                try:
+                    _call_layer(self.layer, b, self.autocast)
+                except _StopForward:
+                    pass
+                if i == 0 and order:
+                    stop = (order[-1], order.count(order[-1]))
                 seen.clear()
         return {**accs, **{n: accs[a] for n, a in alias.items()}}
 
@@ -186,7 +221,14 @@ class LayerStep:
         one extra batch of activations is alive."""
         self.forwards += 1
         for b in self.batches:
-            b.hidden = _call_layer(self.layer, b, self.autocast)
+            out = _call_layer(self.layer, b, self.autocast)
+            if out.shape == b.hidden.shape:
+                # Into the same buffer: allocating each new output while the old inputs are
+                # freed one by one fragments the heap, which held up to twice the calibration
+                # activations (150 MB more at the protocol's 128 x 512 tokens).
+                b.hidden.copy_(out)
+            else:
+                b.hidden = out
 
     @torch.inference_mode()
     def run(self) -> list[torch.Tensor]:
@@ -245,6 +287,7 @@ def run_sequential(
                     layer_stats = solve(step) or {}
                 step.advance()
             layer.to("cpu")
+            trim()
             layer_stats.update(layer=name, seconds=round(time.perf_counter() - t0, 3))
             stats.append(layer_stats)
             log.debug("layer %s done in %.2fs", name, layer_stats["seconds"])

@@ -53,9 +53,12 @@ def _inverse_hessian_factor(H: torch.Tensor, dampening: float, name: str) -> tor
         Hd = H.clone()
         Hd[diag, diag] += damp * mean_diag
         L, info = torch.linalg.cholesky_ex(Hd)
+        del Hd  # K x K each: for a 1536-wide input, every live copy is 9 MB
         if info == 0:
             Hinv = torch.cholesky_inverse(L)
+            del L
             U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
+            del Hinv
             if info == 0 and torch.isfinite(U).all():
                 return U
         if attempt < _DAMP_RETRIES:
@@ -171,6 +174,7 @@ def gptq_quantize(
     # of the upper Cholesky factor of H^{-1}, which is numerically far more robust than
     # repeatedly applying the OBS rank-1 downdate.
     Hinv = _inverse_hessian_factor(H, dampening, name)
+    del H  # the sweep needs only the factor (and H_orig, for the refit)
 
     # Processing positions of each group's columns (for choosing grids on first touch).
     col_group_t = torch.tensor(col_group, device=dev)
