@@ -144,19 +144,26 @@ def calibration_samples(
     """
     if samples <= 0 or seqlen <= 0:
         raise OptcError(f"samples and seqlen must be positive (got {samples} and {seqlen})")
-    ids = tokenize(load_text(dataset, "calibration"), tokenizer)
-    available = ids.numel() // seqlen
-    if available < samples:
-        raise OptcError(
-            f"calibration dataset {dataset!r} has {ids.numel()} tokens: {available} chunks of "
-            f"{seqlen}, fewer than the {samples} samples requested; lower --samples or --seqlen"
-        )
-    chunks = ids[: available * seqlen].view(available, seqlen)
+    chunks = calibration_chunks(tokenizer, dataset, seqlen, samples)
+    available = chunks.shape[0]
     if sampling == "first":
         return chunks[:samples].clone()
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(available, generator=g)[:samples]
     return chunks[order.sort().values].clone()
+
+
+def calibration_chunks(tokenizer, dataset: str, seqlen: int, at_least: int | None = None) -> torch.Tensor:
+    """Every non-overlapping ``seqlen``-token chunk of the calibration text ([n, seqlen]),
+    refusing a text with fewer than ``at_least`` chunks (1 when None)."""
+    ids = tokenize(load_text(dataset, "calibration"), tokenizer)
+    available = ids.numel() // seqlen
+    if available < (at_least or 1):
+        raise OptcError(
+            f"calibration dataset {dataset!r} has {ids.numel()} tokens: {available} chunks of "
+            f"{seqlen}, fewer than the {at_least or 1} samples requested; lower --samples or --seqlen"
+        )
+    return ids[: available * seqlen].view(available, seqlen)
 
 
 def evaluation_tokens(tokenizer, dataset: str) -> torch.Tensor:
