@@ -101,7 +101,7 @@ def run_recipe(
         tokens = evaluation_token_cache(loaded.tokenizer, recipe.evaluation.dataset)
         if recipe.evaluation.baseline:
             # Recovering a compressed checkpoint: its teacher is the uncompressed baseline.
-            base_model = teacher if recover and recover[0].teacher else model
+            base_model = teacher if report["baseline"] is not None else model
             report["metrics"]["perplexity_baseline"] = _evaluate(base_model, tokens, recipe.evaluation, progress)
 
     ws = Workspace(model, loaded.tokenizer, recipe.calibration, device, progress,
@@ -134,6 +134,7 @@ def run_recipe(
         with staged_output(output, overwrite, protect=loaded.path) as tmp:
             if ws.adapter is not None:
                 restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
+                ws.adapter.base_model = str(output)
             fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
             adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
             if ws.masks and recipe.export.sparsity_metadata and fmt.split("/")[0] in ("dense", "compressed-tensors"):

@@ -257,9 +257,16 @@ def _save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)  # a reader (or an interrupt) never sees half a state file
 
 
+def check_resumable(state_dir: Path | None) -> None:
+    """Refuse ``resume`` without a saved state to resume from."""
+    if state_dir is None:
+        raise OptcError("resume needs a state directory (--state-dir, or the --output whose run it resumes)")
+    if not (Path(state_dir) / STATE_FILE).is_file():
+        raise OptcError(f"resume: no saved recovery state in {state_dir} (start without --resume)")
+
+
 def _load_state(path: Path, fingerprint: str) -> dict:
-    if not path.is_file():
-        raise OptcError(f"resume: no saved recovery state in {path.parent} (start without --resume)")
+    check_resumable(path.parent)
     try:
         state = torch.load(path, weights_only=False)
     except (OSError, RuntimeError, EOFError) as exc:
@@ -323,8 +330,7 @@ def train_adapters(
     state_path = None if state_dir is None else Path(state_dir) / STATE_FILE
     step, losses, spent = 0, [], 0.0
     if cfg.resume:
-        if state_path is None:
-            raise OptcError("resume needs a state directory (--state-dir, or an --output whose state it finds)")
+        check_resumable(state_dir)
         state = _load_state(state_path, fingerprint)
         with torch.no_grad():
             for name in names:
@@ -397,7 +403,8 @@ def train_adapters(
         "steps": step, "tokens": tokens, "seconds": round(seconds, 2), "stopped_by": stopped,
         "steps_per_second": round(run_steps / max(1e-9, time.perf_counter() - t0), 4),
         "resumed_at": start_step if cfg.resume else None,
-        "loss_start": _mean(losses[:10]), "loss_end": _mean(losses[-10:]),
+        # Means over the first and last tenth of the run (at most 10 steps each).
+        "loss_start": _mean(losses[: _edge(losses)]), "loss_end": _mean(losses[-_edge(losses):]),
         "loss_curve": _downsample(losses, 50),
     }
 
@@ -417,6 +424,10 @@ def _loss(model, teacher, cache, chunks, idx, ids, cfg: RecoverStage) -> torch.T
     if cfg.loss == "kd":
         return kd
     return (1 - cfg.kd_weight) * ce + cfg.kd_weight * kd
+
+
+def _edge(xs: list[float]) -> int:
+    return max(1, min(10, len(xs) // 10))
 
 
 def _mean(xs: list[float]) -> float | None:

@@ -63,6 +63,7 @@ from optc.recover import (
     Adapter,
     attach_adapters,
     check_recoverable,
+    check_resumable,
     merge_adapters,
     pattern_violations,
     total_steps,
@@ -853,10 +854,12 @@ def run_recover(ws: Workspace, cfg: RecoverStage) -> dict:
         if ws.teacher is None:
             raise OptcError("distillation (loss kd or mix) needs the uncompressed model as teacher")
         teacher = ws.teacher
+    state_dir = Path(cfg.state_dir).expanduser() if cfg.state_dir else ws.state_dir
+    if cfg.resume:
+        check_resumable(state_dir)  # before any tokenizing, evaluating or training
     seqlen = cfg.seqlen or ws.calibration.seqlen
     chunks = calibration_chunks(ws.tokenizer, ws.calibration.dataset, seqlen, cfg.samples)[: cfg.samples]
     before = ws.evaluate(ws.model) if (cfg.eval_before and ws.evaluate is not None) else None
-    state_dir = Path(cfg.state_dir).expanduser() if cfg.state_dir else ws.state_dir
     wrappers = attach_adapters(ws.model, linears, cfg, ws.masks, ws.qparams)
     try:
         run = train_adapters(ws.model, wrappers, teacher, chunks, cfg, state_dir, ws.progress)
