@@ -228,3 +228,22 @@ def test_cli_recover_resume_without_state(tiny_checkpoint, tmp_path):
     result = runner.invoke(app, ["recover", str(tiny_checkpoint), "--output", str(tmp_path / "o"), "--no-eval",
                                  "-q", "--steps", "2", "--samples", "4", "--resume", "--loss", "ce"])
     assert result.exit_code == 1 and "no saved recovery state" in result.output
+
+
+def test_recover_a_pruned_checkpoint_keeps_its_zeros(tiny_checkpoint, tmp_path):
+    from optc.models import load_model
+    from optc.pipeline import run_recipe
+
+    run_recipe(_recipe(tiny_checkpoint, [{"type": "magnitude", "pattern": "2:4"}]), tmp_path / "sparse")
+    loaded = load_model(str(tmp_path / "sparse"))
+    assert loaded.nm == (2, 4) and len(loaded.masks) == 14
+    stages = [{"type": "recover", "steps": 2, "rank": 4, "batch_size": 2, "samples": 4, "lr": 1e-2}]
+    report = run_recipe(_recipe(tmp_path / "sparse", stages), tmp_path / "rec")
+    rec = report["stages"][0]["stats"]
+    assert rec["pruned_weights_moved"] == 0 and rec["nm_violations"] == 0
+    assert report["baseline"] == str(tiny_checkpoint)  # the teacher: the model recipe.yaml names
+    after = load_model(str(tmp_path / "rec")).model
+    for name, mask in loaded.masks.items():
+        w = after.get_submodule(name).weight.detach()
+        assert torch.equal(w[~mask], torch.zeros_like(w[~mask]))
+        assert not torch.equal(w, loaded.model.get_submodule(name).weight.detach())
