@@ -38,6 +38,7 @@ from optc.compress.lora import (
     kd_loss_topk,
     lora_init,
     merged_weight,
+    next_token_logp,
     topk_logits,
 )
 from optc.compress.masks import nm_violations
@@ -411,16 +412,20 @@ def train_adapters(
 
 def _loss(model, teacher, cache, chunks, idx, ids, cfg: RecoverStage) -> torch.Tensor:
     logits = model(input_ids=ids, use_cache=False).logits
-    ce = cross_entropy(logits, ids) if cfg.loss != "kd" else None
+    # One student log-softmax serves both terms when they share the temperature (it is the
+    # largest tensor of the step: batch x seqlen x vocabulary).
+    logp = next_token_logp(logits) if cfg.loss != "kd" or cfg.temperature == 1.0 else None
+    ce = cross_entropy(logits, ids, logp) if cfg.loss != "kd" else None
     if cfg.loss == "ce":
         return ce
+    s_logp = logp if cfg.temperature == 1.0 else None
     if cache is not None:
         values, index = cache.get(teacher, chunks, idx)
-        kd = kd_loss_topk(logits, values, index, cfg.temperature)
+        kd = kd_loss_topk(logits, values, index, cfg.temperature, s_logp)
     else:
         with torch.no_grad():
             t_logits = teacher(input_ids=ids, use_cache=False).logits
-        kd = kd_loss(logits, t_logits, cfg.temperature)
+        kd = kd_loss(logits, t_logits, cfg.temperature, s_logp)
     if cfg.loss == "kd":
         return kd
     return (1 - cfg.kd_weight) * ce + cfg.kd_weight * kd

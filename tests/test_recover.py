@@ -167,10 +167,8 @@ def test_adapter_export_loads_in_peft(tiny_checkpoint, tmp_path):
               {"type": "recover", "steps": 3, "lr": 1e-2, "rank": 4, "batch_size": 2, "samples": 6,
                "loss": "mix", "export": "adapter"}]
     out = tmp_path / "rec"
-    eval_cfg = {"dataset": "builtin", "seqlen": 64, "windows": 2}
-    report = run_recipe(_recipe(tiny_checkpoint, stages, "compressed-tensors", eval_cfg), out)
+    report = run_recipe(_recipe(tiny_checkpoint, stages, "compressed-tensors"), out)
     assert report["checkpoint"]["adapter"] == ["adapter_config.json", "adapter_model.safetensors"]
-    assert "perplexity_before_recovery" in report["metrics"]
     rec = report["stages"][1]["stats"]
     assert rec["export"] == "adapter" and rec["steps"] == 3
     assert json.loads((out / "adapter_config.json").read_text())["peft_type"] == "LORA"
@@ -238,10 +236,15 @@ def test_recover_a_pruned_checkpoint_keeps_its_zeros(tiny_checkpoint, tmp_path):
     loaded = load_model(str(tmp_path / "sparse"))
     assert loaded.nm == (2, 4) and len(loaded.masks) == 14
     stages = [{"type": "recover", "steps": 2, "rank": 4, "batch_size": 2, "samples": 4, "lr": 1e-2}]
-    report = run_recipe(_recipe(tmp_path / "sparse", stages), tmp_path / "rec")
+    eval_cfg = {"dataset": "builtin", "seqlen": 64, "windows": 2}
+    report = run_recipe(_recipe(tmp_path / "sparse", stages, evaluation=eval_cfg), tmp_path / "rec")
     rec = report["stages"][0]["stats"]
     assert rec["pruned_weights_moved"] == 0 and rec["nm_violations"] == 0
     assert report["baseline"] == str(tiny_checkpoint)  # the teacher: the model recipe.yaml names
+    m = report["metrics"]
+    # baseline = the float teacher, before = the pruned checkpoint, compressed = recovered
+    assert m["perplexity_baseline"]["perplexity"] != m["perplexity_before_recovery"]["perplexity"]
+    assert m["perplexity_before_recovery"]["window_nll"] != m["perplexity_compressed"]["window_nll"]
     after = load_model(str(tmp_path / "rec")).model
     for name, mask in loaded.masks.items():
         w = after.get_submodule(name).weight.detach()

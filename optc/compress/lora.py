@@ -70,19 +70,38 @@ def merged_weight(
     return w if qparams is None else ste_fake_quantize(w, qparams)
 
 
-def cross_entropy(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy of ``logits`` [B, S, V] on ``ids`` [B, S]."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+def next_token_logp(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probabilities of the next token at every position but the last ([B, S-1, V])."""
+    return F.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
 
 
-def kd_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy of ``logits`` [B, S, V] on ``ids`` [B, S] (``logp``: the
+    student's :func:`next_token_logp` at T = 1, if already computed)."""
+    logp = next_token_logp(logits) if logp is None else logp
+    return F.nll_loss(logp.flatten(0, 1), ids[:, 1:].flatten())
+
+
+def _kl_to(s_logp: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
+    # KL(p_t || p_s) = sum p_t log p_t - sum p_t log p_s; the first term is a constant, so
+    # only the second is differentiated (autograd then keeps p_t, not the difference).
+    with torch.no_grad():
+        p_t = t_logp.exp()
+        neg_entropy = (p_t * t_logp).sum(-1)
+    return (neg_entropy - (p_t * s_logp).sum(-1)).mean()
+
+
+def kd_loss(
+    student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0, s_logp: torch.Tensor | None = None
+) -> torch.Tensor:
     """``T^2 KL(p_t || p_s)`` per predicted token, averaged ([B, S, V] logits, last position
-    dropped so the tokens match :func:`cross_entropy`)."""
+    dropped so the tokens match :func:`cross_entropy`; ``s_logp``: the student's
+    :func:`next_token_logp` at this temperature, if already computed)."""
     t = temperature
-    s_logp = F.log_softmax(student[:, :-1].float() / t, dim=-1)
-    t_logp = F.log_softmax(teacher[:, :-1].float() / t, dim=-1)
-    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1)
-    return kl.mean() * t * t
+    s_logp = next_token_logp(student, t) if s_logp is None else s_logp
+    with torch.no_grad():
+        t_logp = next_token_logp(teacher, t)
+    return _kl_to(s_logp, t_logp) * t * t
 
 
 def topk_logits(teacher: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,14 +111,17 @@ def topk_logits(teacher: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def kd_loss_topk(
-    student: torch.Tensor, values: torch.Tensor, index: torch.Tensor, temperature: float = 1.0
+    student: torch.Tensor,
+    values: torch.Tensor,
+    index: torch.Tensor,
+    temperature: float = 1.0,
+    s_logp: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`kd_loss` against a teacher known only by its top-k logits: the teacher's
     distribution is renormalized over those k ids and the student's is the full softmax
     (the mass it puts elsewhere counts as error, as with the full teacher)."""
     t = temperature
-    s_logp = F.log_softmax(student[:, :-1].float() / t, dim=-1)
-    t_logp = F.log_softmax(values[:, :-1].float() / t, dim=-1)
-    s_at = s_logp.gather(-1, index[:, :-1].long())
-    kl = (t_logp.exp() * (t_logp - s_at)).sum(-1)
-    return kl.mean() * t * t
+    s_logp = next_token_logp(student, t) if s_logp is None else s_logp
+    with torch.no_grad():
+        t_logp = F.log_softmax(values[:, :-1].float() / t, dim=-1)
+    return _kl_to(s_logp.gather(-1, index[:, :-1].long()), t_logp) * t * t
