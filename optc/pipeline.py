@@ -96,6 +96,8 @@ def run_recipe(
             raise OptcError("recover with export: adapter must be the last stage (the checkpoint "
                             "holds the weights before it, the adapter the update)")
     teacher = _teacher(model, loaded.path, recover, report, trust_remote_code)
+    if teacher is not None:
+        report["recipe"] = recipe.model_dump(mode="json")  # with the teacher it resolved
     tokens = None
     if recipe.evaluation is not None:
         tokens = evaluation_token_cache(loaded.tokenizer, recipe.evaluation.dataset)
@@ -160,6 +162,8 @@ def _teacher(model: torch.nn.Module, path: Path | None, recover: list, report: d
     if not needs:
         return None
     named = next((s.teacher for s in needs if s.teacher), None) or source_model(path)
+    for stage in needs:  # recorded in the recipe as applied, so a later run finds it
+        stage.teacher = stage.teacher or named
     if named is None:
         teacher = copy.deepcopy(model)
     else:

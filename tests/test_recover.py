@@ -241,6 +241,7 @@ def test_recover_a_pruned_checkpoint_keeps_its_zeros(tiny_checkpoint, tmp_path):
     rec = report["stages"][0]["stats"]
     assert rec["pruned_weights_moved"] == 0 and rec["nm_violations"] == 0
     assert report["baseline"] == str(tiny_checkpoint)  # the teacher: the model recipe.yaml names
+    assert str(tiny_checkpoint) in (tmp_path / "rec" / "recipe.yaml").read_text()  # found again later
     m = report["metrics"]
     # baseline = the float teacher, before = the pruned checkpoint, compressed = recovered
     assert m["perplexity_baseline"]["perplexity"] != m["perplexity_before_recovery"]["perplexity"]
