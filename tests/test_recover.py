@@ -28,8 +28,8 @@ def _cfg(**kw) -> RecoverStage:
     return RecoverStage(**{**base, **kw})
 
 
-def _pruned_tiny():
-    model = tiny_model("llama")
+def _pruned_tiny(arch: str = "llama"):
+    model = tiny_model(arch)
     teacher = copy.deepcopy(model)
     ws = Workspace(model, tokenizer=None)
     run_magnitude(ws, MagnitudeStage(type="magnitude", pattern="2:4"))
@@ -45,8 +45,9 @@ def _train(ws: Workspace, teacher, cfg: RecoverStage, state_dir=None, progress=N
     return run, tensors, stats, linears
 
 
-def test_masks_intact_after_merge():
-    ws, teacher = _pruned_tiny()
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])  # gpt2: Conv1D stores W transposed
+def test_masks_intact_after_merge(arch):
+    ws, teacher = _pruned_tiny(arch)
     run, _, stats, linears = _train(ws, teacher, _cfg(loss="mix"))
     moved = 0
     for name, module in linears.items():
@@ -55,7 +56,6 @@ def test_masks_intact_after_merge():
         moved += int((w[~ws.masks[name]] != 0).sum())
     assert moved == 0
     assert max(s["delta_rel"] for s in stats.values()) > 0  # the kept weights did train
-    assert all(type(m).__name__ == "LlamaForCausalLM" for m in [ws.model])
     assert not any("LoraLinear" in type(m).__name__ for m in ws.model.modules())
 
 
