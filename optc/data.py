@@ -163,23 +163,35 @@ def calibration_samples(
     """
     if samples <= 0 or seqlen <= 0:
         raise OptcError(f"samples and seqlen must be positive (got {samples} and {seqlen})")
-    text = load_text(dataset, "calibration")
-    if sampling == "first":
-        ids = first_tokens(text, tokenizer, samples * seqlen)
-    else:
-        ids = tokenize(text, tokenizer)
-    available = ids.numel() // seqlen
-    if available < samples:
-        raise OptcError(
-            f"calibration dataset {dataset!r} has {ids.numel()} tokens: {available} chunks of "
-            f"{seqlen}, fewer than the {samples} samples requested; lower --samples or --seqlen"
-        )
-    chunks = ids[: available * seqlen].view(available, seqlen)
+    chunks = calibration_chunks(
+        tokenizer, dataset, seqlen, samples, first_only=samples if sampling == "first" else None
+    )
+    available = chunks.shape[0]
     if sampling == "first":
         return chunks[:samples].clone()
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(available, generator=g)[:samples]
     return chunks[order.sort().values].clone()
+
+
+def calibration_chunks(
+    tokenizer, dataset: str, seqlen: int, at_least: int | None = None, first_only: int | None = None
+) -> torch.Tensor:
+    """Every non-overlapping ``seqlen``-token chunk of the calibration text ([n, seqlen]),
+    refusing a text with fewer than ``at_least`` chunks (1 when None). ``first_only``: only
+    (at least) that many leading chunks are needed, so only a prefix is tokenized."""
+    text = load_text(dataset, "calibration")
+    if first_only is not None:
+        ids = first_tokens(text, tokenizer, first_only * seqlen)
+    else:
+        ids = tokenize(text, tokenizer)
+    available = ids.numel() // seqlen
+    if available < (at_least or 1):
+        raise OptcError(
+            f"calibration dataset {dataset!r} has {ids.numel()} tokens: {available} chunks of "
+            f"{seqlen}, fewer than the {at_least or 1} samples requested; lower --samples or --seqlen"
+        )
+    return ids[: available * seqlen].view(available, seqlen)
 
 
 def evaluation_tokens(tokenizer, dataset: str) -> torch.Tensor:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from optc.compress.actquant import input_quant_of
 from optc.data import check_disjoint
@@ -26,6 +28,7 @@ from optc.memory import trim
 from optc.models import load_model
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
+from optc.recover import check_recoverable, restore_base, write_adapter
 from optc.stages import STAGES, Workspace
 
 log = logging.getLogger(__name__)
@@ -87,18 +90,36 @@ def run_recipe(
     report = new_report(loaded.source, recipe.model_dump(mode="json"))
     report["timings"]["load"] = round(time.perf_counter() - t_start, 3)
     model = loaded.model
+    recover = [s for s in recipe.stages if s.type == "recover"]
+    for stage in recover:  # targets and rank are refused before any evaluation or training
+        check_recoverable(model, stage)
+        if stage.export == "adapter" and stage is not recipe.stages[-1]:
+            raise OptcError("recover with export: adapter must be the last stage (the checkpoint "
+                            "holds the weights before it, the adapter the update)")
+    teacher = _teacher(model, loaded.path, recover, report, trust_remote_code)
+    if teacher is not None:
+        report["recipe"] = recipe.model_dump(mode="json")  # with the teacher it resolved
     tokens = None
     if recipe.evaluation is not None:
         tokens = evaluation_token_cache(loaded.tokenizer, recipe.evaluation.dataset)
         if recipe.evaluation.baseline:
-            report["metrics"]["perplexity_baseline"] = _evaluate(model, tokens, recipe.evaluation, progress)
+            # Recovering a compressed checkpoint: its teacher is the uncompressed baseline.
+            base_model = teacher if report["baseline"] is not None else model
+            report["metrics"]["perplexity_baseline"] = _evaluate(base_model, tokens, recipe.evaluation, progress)
 
-    ws = Workspace(model, loaded.tokenizer, recipe.calibration, device, progress)
+    ws = Workspace(model, loaded.tokenizer, recipe.calibration, device, progress,
+                   qparams=dict(loaded.qparams), masks=dict(loaded.masks), nm=loaded.nm, teacher=teacher)
+    if recipe.evaluation is not None:
+        ws.evaluate = lambda m: _evaluate(m, tokens, recipe.evaluation, progress)
+    if output is not None:
+        ws.state_dir = output.expanduser().parent / f".{output.name}.recover-state"
     for i, stage in enumerate(recipe.stages):
         _, fn = STAGES[stage.type]
         t0 = time.perf_counter()
         log.info("stage %d: %s", i, stage.type)
         stats = fn(ws, stage)
+        if "perplexity_before" in stats:
+            report["metrics"]["perplexity_before_recovery"] = stats.pop("perplexity_before")
         report["stages"].append(
             {
                 "type": stage.type,
@@ -115,17 +136,67 @@ def run_recipe(
     if output is not None:
         trim()  # calibration's freed fragments, before export allocates the packed tensors
         with staged_output(output, overwrite, protect=loaded.path) as tmp:
+            if ws.adapter is not None:
+                restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
+                ws.adapter.base_model = str(output)
             fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
+            adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
             if ws.masks and recipe.export.sparsity_metadata and fmt.split("/")[0] in ("dense", "compressed-tensors"):
                 write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
             (tmp / "recipe.yaml").write_text(recipe.to_yaml())
             report["checkpoint"] = {"path": str(output), "format": fmt, "bytes": directory_bytes(tmp)}
+            if adapter_files:
+                report["checkpoint"]["adapter"] = adapter_files
             report["metrics"]["size"] = size_metrics(ws.model, tmp)
             report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
             write_report(report, tmp)
     else:
         report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
     return report
+
+
+def _teacher(model: torch.nn.Module, path: Path | None, recover: list, report: dict,
+             trust_remote_code: bool) -> torch.nn.Module | None:
+    """The uncompressed model a recovery stage distils from: the one it names; for an optc
+    checkpoint, the model its ``recipe.yaml`` compressed; else a frozen copy of the recipe's
+    model taken before any stage changes it."""
+    needs = [s for s in recover if s.loss != "ce"]
+    if not needs:
+        return None
+    named = next((s.teacher for s in needs if s.teacher), None) or source_model(path)
+    for stage in needs:  # recorded in the recipe as applied, so a later run finds it
+        stage.teacher = stage.teacher or named
+    if named is None:
+        teacher = copy.deepcopy(model)
+    else:
+        loaded = load_model(named, trust_remote_code=trust_remote_code)
+        if loaded.model.config.vocab_size != model.config.vocab_size:
+            raise OptcError(
+                f"teacher {named!r} has a vocabulary of {loaded.model.config.vocab_size} tokens, the "
+                f"model {model.config.vocab_size}: distillation needs the same tokenizer"
+            )
+        teacher = loaded.model
+        report["baseline"] = loaded.source
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher.eval()
+
+
+def source_model(path: Path | None) -> str | None:
+    """The model an optc checkpoint was compressed from (its ``recipe.yaml``), if any."""
+    recipe = path / "recipe.yaml" if path is not None and path.is_dir() else None
+    if recipe is None or not recipe.is_file():
+        return None
+    try:
+        data = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    # A recovered checkpoint names its teacher; its ``model`` is the compressed input.
+    teachers = [s.get("teacher") for s in data.get("stages") or [] if isinstance(s, dict) and s.get("type") == "recover"]
+    name = next((t for t in teachers if t), None) or data.get("model")
+    return name if isinstance(name, str) and name else None
 
 
 def _recipe_gates(recipe: Recipe, extra: list[str] | None, output: Path | None) -> list:

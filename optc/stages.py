@@ -11,6 +11,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -55,10 +56,20 @@ from optc.compress.structured import (
     select_heads,
 )
 from optc.compress.wanda import wanda_mask, wanda_scores
-from optc.data import CalibrationConfig
+from optc.data import CalibrationConfig, calibration_chunks
 from optc.errors import OptcError
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
+from optc.recover import (
+    Adapter,
+    attach_adapters,
+    check_recoverable,
+    check_resumable,
+    merge_adapters,
+    pattern_violations,
+    total_steps,
+    train_adapters,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +85,11 @@ class Workspace:
     progress: Progress = field(default_factory=NullProgress)
     qparams: dict[str, QuantParams] = field(default_factory=dict)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    nm: tuple[int, int] | None = None  # the N:M pattern the masks follow, if any
+    teacher: torch.nn.Module | None = None  # the uncompressed model, for distillation
+    evaluate: Callable[[torch.nn.Module], dict] | None = None  # the recipe's evaluation
+    state_dir: Path | None = None  # where a recovery keeps its resumable state
+    adapter: Adapter | None = None  # a recovery adapter to write beside the checkpoint
     _ids: torch.Tensor | None = None
 
     def calibration_ids(self) -> torch.Tensor:
@@ -347,6 +363,7 @@ def run_magnitude(ws: Workspace, cfg: MagnitudeStage) -> dict:
     with torch.no_grad():
         per_module = {name: apply_mask(ws, name, linears[name], mk) for name, mk in masks.items()}
     nm = parse_pattern(cfg.pattern) if cfg.pattern else None
+    ws.nm = nm or ws.nm
     return {"modules": per_module, **sparsity_summary(ws.model, linears, nm)}
 
 
@@ -689,6 +706,7 @@ def _run_calibrated_prune(ws: Workspace, cfg: _CalibratedPruneStage, method: str
         return {"target_sparsity": None if nm else round(layer_sparsity.get(step.name, cfg.sparsity), 6)}
 
     layers = _run_calibration(ws, cfg, solve, method)
+    ws.nm = nm or ws.nm
     return {"modules": per_module, "layers": layers, **sparsity_summary(ws.model, linears, nm)}
 
 
@@ -799,6 +817,112 @@ def run_structured(ws: Workspace, cfg: StructuredStage) -> dict:
     return out
 
 
+# --- recovery (LoRA fine-tuning with distillation) ----------------------------------------
+
+
+class RecoverStage(_Stage):
+    """LoRA fine-tuning of the compressed model (Hu et al. 2021) with next-token
+    cross-entropy, distillation from the uncompressed model (Hinton et al. 2015), or a mix;
+    pruning masks and quantization grids are kept (see optc.recover)."""
+
+    type: Literal["recover"]
+    steps: int | None = Field(None, gt=0, description="optimizer steps (deterministic budget)")
+    tokens: int | None = Field(None, gt=0, description="training tokens (steps = tokens / (batch_size * seqlen))")
+    max_minutes: float | None = Field(None, gt=0, description="wall-clock budget; the schedule follows the clock")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW)")
+    warmup: float = Field(0.05, ge=0, lt=1, description="fraction of the run with a linear warm-up")
+    rank: int = Field(16, gt=0, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (the update is scaled by alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout (unmasked float-grid adapters only)")
+    loss: Literal["ce", "kd", "mix"] = Field("mix", description="cross-entropy, distillation KL, or a mix")
+    kd_weight: float = Field(0.5, ge=0, le=1, description="mix: weight of the distillation term")
+    temperature: float = Field(1.0, gt=0, description="distillation temperature T")
+    teacher: str | None = Field(
+        None, description="model to distil from; null: the recipe's model as loaded, before any stage"
+    )
+    teacher_cache: Literal["none", "topk"] = Field(
+        "none", description="none: teacher logits on the fly; topk: its top-k logits cached on disk"
+    )
+    teacher_topk: int = Field(128, gt=0, description="logits kept per token by teacher_cache: topk")
+    batch_size: int = Field(4, gt=0, description="sequences per step")
+    seqlen: int | None = Field(None, gt=1, description="tokens per sequence (null: calibration.seqlen)")
+    samples: int | None = Field(None, gt=0, description="training sequences (null: every chunk of the calibration text)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory, ~30% slower)")
+    max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping (0: off)")
+    save_every: int = Field(25, ge=0, description="save resumable state every N steps (0: never)")
+    state_dir: str | None = Field(None, description="resumable state (default: beside the output)")
+    resume: bool = Field(False, description="continue from the state saved by an interrupted run")
+    seed: int = 0
+    export: Literal["merge", "adapter"] = Field(
+        "merge", description="merge: fold the update into the weights (re-quantized onto the same "
+        "grid); adapter: keep it separate as a peft adapter beside the checkpoint",
+    )
+    eval_before: bool = Field(True, description="evaluate the model just before recovery too")
+
+    @model_validator(mode="after")
+    def _has_budget(self):
+        if self.steps is None and self.tokens is None and self.max_minutes is None:
+            raise ValueError("recovery needs a budget: steps, tokens and/or max_minutes")
+        return self
+
+
+def run_recover(ws: Workspace, cfg: RecoverStage) -> dict:
+    linears = check_recoverable(ws.model, cfg)
+    if cfg.export == "adapter" and any(n in ws.masks for n in linears):
+        raise OptcError(
+            "export: adapter cannot keep the pruning masks (peft adds B A densely, so the pruned "
+            "weights would move); use export: merge for a pruned model"
+        )
+    teacher = None
+    if cfg.loss != "ce":
+        if ws.teacher is None:
+            raise OptcError("distillation (loss kd or mix) needs the uncompressed model as teacher")
+        teacher = ws.teacher
+    state_dir = Path(cfg.state_dir).expanduser() if cfg.state_dir else ws.state_dir
+    if cfg.resume:
+        check_resumable(state_dir)  # before any tokenizing, evaluating or training
+    seqlen = cfg.seqlen or ws.calibration.seqlen
+    chunks = calibration_chunks(ws.tokenizer, ws.calibration.dataset, seqlen, cfg.samples)[: cfg.samples]
+    before = ws.evaluate(ws.model) if (cfg.eval_before and ws.evaluate is not None) else None
+    wrappers = attach_adapters(ws.model, linears, cfg, ws.masks, ws.qparams)
+    try:
+        run = train_adapters(ws.model, wrappers, teacher, chunks, cfg, state_dir, ws.progress)
+    finally:
+        tensors = {n: (w.lora_A.detach().clone(), w.lora_B.detach().clone()) for n, w in wrappers.items()}
+        per_module, base = merge_adapters(ws.model, wrappers, keep_base=cfg.export == "adapter")
+    zeros_moved = sum(int((weight_2d(linears[n]).detach()[~m] != 0).sum()) for n, m in ws.masks.items() if n in linears)
+    quantized = [n for n in linears if n in ws.qparams]
+    if cfg.export == "adapter":
+        ws.adapter = Adapter(
+            tensors=tensors, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout,
+            base_model=str(ws.model.config._name_or_path or ""),
+            conv1d=any(not isinstance(m, torch.nn.Linear) for m in linears.values()), base_weights=base,
+        )
+        exported = "adapter kept separate: adapter_model.safetensors + adapter_config.json (peft LoRA) beside the checkpoint, whose weights are the pre-recovery ones"
+    elif quantized:
+        exported = (f"merged and re-quantized onto the same grid ({len(quantized)} quantized Linears; "
+                    "trained through that grid, so the merged weights are exactly the trained ones)")
+    else:
+        exported = "merged into the weights"
+    notes = [
+        f"LoRA r={cfg.rank} alpha={cfg.alpha:g} on {len(linears)} Linears; loss {cfg.loss}"
+        + (f" (kd weight {cfg.kd_weight:g}, T={cfg.temperature:g})" if cfg.loss == "mix" else ""),
+        f"{run['steps']} steps, {run['tokens']:,} tokens in {run['seconds']:.0f} s "
+        f"(stopped by {run['stopped_by']}); loss {run['loss_start']} -> {run['loss_end']}",
+        exported,
+    ]
+    out = {"modules": per_module, **run, "export": cfg.export, "exported": exported,
+           "step_budget": total_steps(cfg, seqlen), "seqlen": seqlen, "train_sequences": int(chunks.shape[0])}
+    if ws.masks:
+        nmv = pattern_violations(ws.model, [n for n in linears if n in ws.masks], ws.nm)
+        out.update(pruned_weights_moved=zeros_moved, nm_violations=nmv if ws.nm else None)
+        notes.append(f"pruned weights moved: {zeros_moved}" + (f"; {ws.nm[0]}:{ws.nm[1]} groups broken: {nmv}" if ws.nm else ""))
+    out["notes"] = notes
+    if before is not None:
+        out["perplexity_before"] = before
+    return out
+
+
 StageFn = Callable[[Workspace, BaseModel], dict]
 
 # The one registry: recipe stage ``type`` -> (config model, function).
@@ -812,6 +936,7 @@ STAGES: dict[str, tuple[type[BaseModel], StageFn]] = {
     "structured": (StructuredStage, run_structured),
     "smoothquant": (SmoothQuantStage, run_smoothquant),
     "w8a8": (W8A8Stage, run_w8a8),
+    "recover": (RecoverStage, run_recover),
 }
 
 QUANT_STAGES = {"rtn", "gptq", "awq", "w8a8"}
