@@ -96,6 +96,9 @@ def process_group(device: str = "cpu") -> Iterator[None]:
     log.info("rank %d of %d (%s)", dist.get_rank(), dist.get_world_size(), backend)
     try:
         yield
+        # Leave together: a rank that ended early and joined a new group (a second run in the
+        # same process) must not reach a store that another rank is about to tear down.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
