@@ -123,8 +123,8 @@ def _recipe(model: Path, name: str):
                          "evaluation": None, "export": {"format": fmt}})
 
 
-def _recipes_worker(rank: int, model: Path, out: Path, ports: list[int]) -> None:
-    for name, port in zip(RECIPES, ports):
+def _recipes_worker(rank: int, model: Path, out: Path, names: list[str], ports: list[int]) -> None:
+    for name, port in zip(names, ports):
         os.environ["MASTER_PORT"] = str(port)  # one rendezvous per run, as torchrun would start them
         report = run_recipe(_recipe(model, name), out / name)
         assert ("checkpoint" in report and report["checkpoint"] is not None) == (rank == 0)
@@ -137,20 +137,52 @@ def _tensors(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_two_gloo_ranks_give_the_single_process_checkpoints(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    _spawn(_recipes_worker, tiny_checkpoint, tmp_path / "dist", [_free_port() for _ in RECIPES])
-    for name in RECIPES:
+@pytest.mark.parametrize("names", [["gptq", "w8a8"], pytest.param(["awq", "sparsegpt"], marks=pytest.mark.slow)])
+def test_two_gloo_ranks_give_the_single_process_checkpoints(tiny_checkpoint: Path, tmp_path: Path,
+                                                            names: list[str]) -> None:
+    _spawn(_recipes_worker, tiny_checkpoint, tmp_path / "dist", names, [_free_port() for _ in names])
+    for name in names:
         run_recipe(_recipe(tiny_checkpoint, name), tmp_path / "single" / name)
         one, two = _tensors(tmp_path / "single" / name), _tensors(tmp_path / "dist" / name)
         assert one.keys() == two.keys(), name
+        diff = total = 0.0
         for key, t in one.items():
             u = two[key]
-            if name in ("awq", "w8a8") or not t.is_floating_point():
-                # Same samples, same histograms, same orders: the same checkpoint.
+            if name == "w8a8" or not t.is_floating_point():
+                # RTN weights, and activation scales from the same histograms and the same
+                # moving averages: exactly the same checkpoint.
                 assert torch.equal(t, u), f"{name}: {key}"
-            else:
-                # Hessians summed in another order differ by float rounding, which may move a
-                # rare weight across a rounding boundary.
-                differ = float((t != u).float().mean())
-                assert differ < 0.01, f"{name}: {key}: {differ:.2%} of the values differ"
-                torch.testing.assert_close(u, t, rtol=0, atol=float(t.abs().max()) * 0.2)
+                continue
+            # Hessians (and AWQ's channel magnitudes) summed in another order differ by float
+            # rounding (~1e-7), and so do the solved weights; a rare weight may cross a rounding
+            # boundary.
+            d, n = float((t.float() - u.float()).norm()), float(t.float().norm())
+            assert d <= 1e-2 * n, f"{name}: {key}: relative difference {d / n:.2e}"
+            diff, total = diff + d**2, total + n**2
+        assert diff <= 1e-6 * total, f"{name}: relative difference {(diff / total) ** 0.5:.2e} overall"
+
+
+@pytest.mark.slow
+def test_torchrun_command_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The documented launch: torchrun starts the ranks, rank 0 alone writes and prints."""
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from optc.cli.main import app
+
+    args = ["quantize", "--model", str(tiny_checkpoint), "--method", "gptq", "--samples", "8", "--seqlen", "64",
+            "--no-eval", "--format", "dense"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "optc",
+         *args, "--output", str(tmp_path / "two")],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("wrote ") == 1, proc.stdout  # one report, from rank 0
+    assert CliRunner().invoke(app, [*args, "--output", str(tmp_path / "one"), "--quiet"]).exit_code == 0
+    one, two = _tensors(tmp_path / "one"), _tensors(tmp_path / "two")
+    assert one.keys() == two.keys()
+    for key, t in one.items():
+        assert float((t - two[key]).norm()) <= 1e-2 * float(t.norm()), key
