@@ -105,7 +105,7 @@ def _run_recipe(
     loaded = load_model(recipe.model, recipe.dtype, trust_remote_code)
     if output is not None and loaded.path is not None:
         check_output(output, overwrite, protect=loaded.path)
-    if output is not None:  # hours of calibration are not spent on a checkpoint that cannot fit
+    if output is not None and is_main_process():  # no hours of calibration for a checkpoint that cannot fit
         check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe),
                                                            recipe.export.format))
     report = new_report(loaded.source, recipe.model_dump(mode="json"))
