@@ -197,10 +197,31 @@ def _load_dir(path: Path | str, dtype: torch.dtype, trust_remote_code: bool):
 
         model, qparams = _load_pack_quantized(Path(path), dtype, read_gptq if method == "gptq" else read_awq)
     else:
-        kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+        _require_safetensors(path)
+        # use_safetensors: transformers would otherwise fall back to pytorch_model.bin (pickle).
+        kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, "use_safetensors": True}
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model, tokenizer, qparams
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _require_safetensors(path: Path | str) -> None:
+    """Refuse a local checkpoint whose weights exist only as pickle files: unpickling can run
+    arbitrary code, so optc reads safetensors only (a hub id is held to the same rule by
+    ``use_safetensors=True``)."""
+    path = Path(path)
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(f.name for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise OptcError(
+            f"{path} holds its weights only as pickle files ({', '.join(pickles[:3])}); optc reads "
+            "safetensors only, because loading a pickle can run code: convert the checkpoint to "
+            "safetensors first (transformers' save_pretrained writes them)"
+        )
 
 
 def _unreadable_file(path: Path | None) -> Path | None:
@@ -254,6 +275,11 @@ def load_model(
             raise OptcError(f"model not found: {source!r} is neither a path nor a built-in model")
     except OSError as exc:
         raise OptcError(f"cannot load model {source!r}: {str(exc).splitlines()[0]}") from exc
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise OptcError(f"{source} ships its own model code, which runs only with --trust-remote-code "
+                        "(pass it only for a repository you trust)") from None
     except SafetensorError as exc:
         raise OptcError(f"cannot load model {source!r}: {_unreadable_file(path) or 'a weights file'} "
                         f"is corrupt or truncated ({exc})") from None

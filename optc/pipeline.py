@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 import yaml
 
+from optc.calibrate.distributed import is_main_process, process_group
+from optc.calibrate.modules import select_linears
 from optc.compress.actquant import input_quant_of
 from optc.data import check_disjoint
 from optc.errors import OptcError
@@ -21,7 +23,8 @@ from optc.evaluate.report import layer_statistics, stage_layer_info
 from optc.evaluate.size import size_metrics
 from optc.export.compressed_tensors import write_int_quantized, write_pack_quantized
 from optc.export.compressed_tensors import sparsity_config, write_sparsity_config
-from optc.export.checkpoint import check_output, directory_bytes, staged_output, write_dense
+from optc.export.checkpoint import check_free_space, check_output, directory_bytes, estimate_checkpoint_bytes
+from optc.export.checkpoint import staged_output, write_dense
 from optc.export.convert import FORMATS as CONVERT_FORMATS
 from optc.export.convert import check_recipe_export, export_model
 from optc.memory import trim
@@ -29,7 +32,7 @@ from optc.models import load_model
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
 from optc.recover import check_recoverable, restore_base, write_adapter
-from optc.stages import STAGES, Workspace
+from optc.stages import QUANT_STAGES, STAGES, Workspace
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +77,26 @@ def run_recipe(
     progress: Progress | None = None,
     gates: list[str] | None = None,
 ) -> dict:
-    """Apply ``recipe`` and write the checkpoint (with recipe and report) to ``output``."""
+    """Apply ``recipe`` and write the checkpoint (with recipe and report) to ``output``.
+
+    Started by torchrun, every rank calibrates on its share of the samples and rank 0 alone
+    evaluates and writes; the other ranks return a report without metrics.
+    """
+    with process_group(device):
+        return _run_recipe(recipe, output, overwrite=overwrite, device=device, trust_remote_code=trust_remote_code,
+                           progress=progress, gates=gates)
+
+
+def _run_recipe(
+    recipe: Recipe,
+    output: Path | None,
+    *,
+    overwrite: bool = False,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    progress: Progress | None = None,
+    gates: list[str] | None = None,
+) -> dict:
     progress = progress or NullProgress()
     gate_list = _recipe_gates(recipe, gates, output)  # parsed before any work
     t_start = time.perf_counter()
@@ -87,6 +109,9 @@ def run_recipe(
     loaded = load_model(recipe.model, recipe.dtype, trust_remote_code)
     if output is not None and loaded.path is not None:
         check_output(output, overwrite, protect=loaded.path)
+    if output is not None and is_main_process():  # no hours of calibration for a checkpoint that cannot fit
+        check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe),
+                                                           recipe.export.format))
     report = new_report(loaded.source, recipe.model_dump(mode="json"))
     report["timings"]["load"] = round(time.perf_counter() - t_start, 3)
     model = loaded.model
@@ -100,7 +125,7 @@ def run_recipe(
     if teacher is not None:
         report["recipe"] = recipe.model_dump(mode="json")  # with the teacher it resolved
     tokens = None
-    if recipe.evaluation is not None:
+    if recipe.evaluation is not None and is_main_process():
         tokens = evaluation_token_cache(loaded.tokenizer, recipe.evaluation.dataset)
         if recipe.evaluation.baseline:
             # Recovering a compressed checkpoint: its teacher is the uncompressed baseline.
@@ -128,12 +153,16 @@ def run_recipe(
                 "stats": stats,
             }
         )
+    if not is_main_process():
+        return report  # distributed: rank 0 evaluates and writes
     report["metrics"].update(count_parameters(model))
     if recipe.evaluation is not None:
         report["metrics"]["perplexity_compressed"] = _evaluate(model, tokens, recipe.evaluation, progress)
     _add_eval_details(report, model)
 
     if output is not None:
+        check_free_space(output, estimate_checkpoint_bytes(model, {n: p.scheme for n, p in ws.qparams.items()},
+                                                           recipe.export.format))
         trim()  # calibration's freed fragments, before export allocates the packed tensors
         with staged_output(output, overwrite, protect=loaded.path) as tmp:
             if ws.adapter is not None:
@@ -197,6 +226,19 @@ def source_model(path: Path | None) -> str | None:
     teachers = [s.get("teacher") for s in data.get("stages") or [] if isinstance(s, dict) and s.get("type") == "recover"]
     name = next((t for t in teachers if t), None) or data.get("model")
     return name if isinstance(name, str) and name else None
+
+
+def planned_schemes(model: torch.nn.Module, recipe: Recipe) -> dict:
+    """Linear name -> weight scheme the recipe's quantization stages will give it (the last
+    stage touching a Linear wins), for estimating the checkpoint before any work."""
+    schemes: dict = {}
+    for stage in recipe.stages:
+        if stage.type in QUANT_STAGES:
+            for name in select_linears(model, stage.targets, stage.ignore):
+                scheme = stage.scheme_for(name)
+                if scheme is not None:
+                    schemes[name] = scheme
+    return schemes
 
 
 def _recipe_gates(recipe: Recipe, extra: list[str] | None, output: Path | None) -> list:

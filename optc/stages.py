@@ -22,7 +22,7 @@ from optc.calibrate.modules import check_patterns, select_linears, set_weight_2d
 from optc.calibrate.modules import find_decoder_layers
 from optc.calibrate.observers import ActivationStats, MinMaxObserver
 from optc.calibrate.sequential import LayerStep, run_sequential
-from optc.calibrate.stats import FeatureNormAccumulator, InputSampler
+from optc.calibrate.stats import Discard, FeatureNormAccumulator, InputSampler
 from optc.compress.actquant import (
     ActivationScheme,
     attach_input_quant,
@@ -267,7 +267,9 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
         total = step.tokens
         accs = step.collect(
             names,
-            lambda n, m: InputSampler(weight_2d(m).shape[1], total, cfg.sample_tokens, ws.calibration.seed),
+            lambda n, m: InputSampler(
+                weight_2d(m).shape[1], total, cfg.sample_tokens, ws.calibration.seed, first_row=step.row_offset
+            ),
         )
         scales: dict[str, torch.Tensor] = {}
         for m in mappings:
@@ -462,7 +464,8 @@ def run_w8a8(ws: Workspace, cfg: W8A8Stage) -> dict:
             extra = (HessianAccumulator(k),) if gptq else ()
             return ActivationStats(
                 k, step.tokens, averaging_constant=cfg.activations.averaging_constant,
-                sample_tokens=cfg.sample_tokens, seed=ws.calibration.seed, extra=extra,
+                sample_tokens=cfg.sample_tokens, seed=ws.calibration.seed, first_row=step.row_offset,
+                extra=extra,
             )
 
         accs = step.collect(names, make)
@@ -582,13 +585,6 @@ class SparseGPTStage(_CalibratedPruneStage):
     )
 
 
-class _Discard:
-    """Accumulator for inputs a later pass will collect again."""
-
-    def add(self, x: torch.Tensor) -> None:
-        pass
-
-
 def _collect_in_order(step: LayerStep, names: list[str], make) -> Iterator[tuple[list[str], dict]]:
     """Groups of Linears sharing one input, in execution order, each collected only after the
     previous groups were pruned (true-sequential). The first pass also finds the order: the
@@ -597,7 +593,7 @@ def _collect_in_order(step: LayerStep, names: list[str], make) -> Iterator[tuple
 
     def first_only(name: str, module: torch.nn.Module):
         order.append(name)
-        return make(name, module) if len(order) == 1 else _Discard()
+        return make(name, module) if len(order) == 1 else Discard()
 
     accs = step.collect(names, first_only)
     groups = [[n for n in names if n in accs and accs[n] is accs[o]] for o in order]

@@ -9,7 +9,9 @@
    ones.
 
 Only one layer's inputs and outputs are alive at a time, and on an accelerator only the layer
-being calibrated lives on the device.
+being calibrated lives on the device. Under torchrun each process runs its own block of the
+calibration batches and every collect ends with the accumulators reduced across processes
+(:mod:`optc.calibrate.distributed`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from optc.calibrate import distributed
 from optc.calibrate.modules import find_decoder_layers, select_linears
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
@@ -163,9 +166,14 @@ class LayerStep:
     batches: list[_Batch]
     forwards: int = field(default=0)
     autocast: torch.dtype | None = None
+    row_offset: int = 0  # index of this process's first token among all calibration tokens
+    world_tokens: int | None = None  # calibration tokens over all processes
 
     @property
     def tokens(self) -> int:
+        """Calibration tokens this layer sees (over every process when distributed)."""
+        if self.world_tokens is not None:
+            return self.world_tokens
         return sum(b.hidden.shape[0] * b.hidden.shape[1] for b in self.batches)
 
     def collect(
@@ -213,6 +221,7 @@ class LayerStep:
                 if i == 0 and order:
                     stop = (order[-1], order.count(order[-1]))
                 seen.clear()
+            distributed.reduce_all(accs)  # torchrun: statistics of every rank's samples
         return {**accs, **{n: accs[a] for n, a in alias.items()}}
 
     @torch.inference_mode()
@@ -267,6 +276,8 @@ def run_sequential(
     was_training = model.training
     model.eval()
     stats: list[dict] = []
+    world_tokens = ids.shape[0] * ids.shape[1]
+    ids, row_offset, batch_size = distributed.shard(ids, batch_size)
     with torch.inference_mode():
         batches = capture_first_layer_inputs(model, ids, batch_size, device)
     with progress.task(description, total=len(layers)) as advance:
@@ -275,16 +286,19 @@ def run_sequential(
             name = f"{prefix}.{i}"
             linears = {n: m for n, m in chosen.items() if n.startswith(name + ".")}
             layer.to(device)
-            step = LayerStep(i, name, layer, linears, batches, autocast=autocast)
+            step = LayerStep(i, name, layer, linears, batches, autocast=autocast,
+                             row_offset=row_offset, world_tokens=world_tokens)
             layer_stats: dict = {}
             if linears and not propagate:
                 float_outputs = step.run()
                 layer_stats = solve(step) or {}
+                distributed.broadcast_module(layer)
                 for b, out in zip(batches, float_outputs):
                     b.hidden = out
             else:
                 if linears:
                     layer_stats = solve(step) or {}
+                    distributed.broadcast_module(layer)  # every rank propagates rank 0's layer
                 step.advance()
             layer.to("cpu")
             trim()

@@ -182,6 +182,7 @@ def _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windo
 
 
 def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_remote_code, no_eval, as_json, stages: list | None = None, gates: list[str] | None = None, quiet: bool = False) -> None:
+    from optc.calibrate.distributed import is_main_process
     from optc.pipeline import run_recipe
     from optc.recipe import apply_overrides, parse_recipe, read_recipe_data, resolve_recipe
 
@@ -194,8 +195,10 @@ def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_rem
     if no_eval:
         data["evaluation"] = None
     recipe = parse_recipe(apply_overrides(data, overrides), str(path))
-    report = run_recipe(recipe, output, overwrite=overwrite, device=_device(device), trust_remote_code=trust_remote_code, progress=_progress(quiet), gates=gates)
-    _finish(report, as_json, quiet)
+    main = is_main_process()  # under torchrun only rank 0 shows progress and prints the report
+    report = run_recipe(recipe, output, overwrite=overwrite, device=_device(device), trust_remote_code=trust_remote_code, progress=_progress(quiet or not main), gates=gates)
+    if main:
+        _finish(report, as_json, quiet)
 
 
 def _progress(quiet: bool):
