@@ -23,10 +23,11 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "state.pt"
+STATE_FILE = "state.safetensors"
 
 
 class LoraLinear(nn.Module):
@@ -251,11 +252,47 @@ def _fingerprint(cfg: RecoverStage, chunks: torch.Tensor, names: list[str]) -> s
     return digest.hexdigest()[:20]
 
 
-def _save_state(path: Path, state: dict) -> None:
+def _encode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """``obj`` as JSON, its tensors moved to ``tensors`` (safetensors holds no pickles)."""
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj.detach().contiguous().clone()
+        return {"__tensor__": key}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _encode(v, tensors) for k, v in obj.items()}
+        return {"__items__": [[k, _encode(v, tensors)] for k, v in obj.items()]}  # optimizer: int keys
+    if isinstance(obj, list | tuple):
+        return [_encode(v, tensors) for v in obj]
+    return obj
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__items__" in obj:
+            return {k: _decode(v, tensors) for k, v in obj["__items__"]}
+        return {k: _decode(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    return obj
+
+
+def _save_state(path: Path, state: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(state, tmp)
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _encode(state, tensors)
+    save_file(tensors, str(tmp), metadata={"optc_state": json.dumps(tree)})
     os.replace(tmp, path)  # a reader (or an interrupt) never sees half a state file
+
+
+def _read_state(path: Path) -> Any:
+    with safe_open(str(path), framework="pt") as f:
+        tree = json.loads((f.metadata() or {})["optc_state"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    return _decode(tree, tensors)
 
 
 def check_resumable(state_dir: Path | None) -> None:
@@ -269,8 +306,8 @@ def check_resumable(state_dir: Path | None) -> None:
 def _load_state(path: Path, fingerprint: str) -> dict:
     check_resumable(path.parent)
     try:
-        state = torch.load(path, weights_only=False)
-    except (OSError, RuntimeError, EOFError) as exc:
+        state = _read_state(path)
+    except (OSError, RuntimeError, EOFError, KeyError, ValueError, SafetensorError) as exc:
         raise OptcError(f"resume: {path} is unreadable ({exc})") from None
     if state.get("fingerprint") != fingerprint:
         raise OptcError(
@@ -288,16 +325,16 @@ class _TeacherCache:
         self.dir.mkdir(parents=True, exist_ok=True)
         stamp = self.dir / "key.txt"
         if not stamp.is_file() or stamp.read_text() != key:
-            for f in self.dir.glob("chunk-*.pt"):
+            for f in self.dir.glob("chunk-*.safetensors"):
                 f.unlink()
             stamp.write_text(key)
 
     def get(self, teacher: nn.Module, chunks: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         values, index = [], []
         for i in idx:
-            path = self.dir / f"chunk-{i}.pt"
+            path = self.dir / f"chunk-{i}.safetensors"
             if path.is_file():
-                v, j = torch.load(path, weights_only=True)
+                v, j = _read_state(path)
             else:
                 with torch.no_grad():
                     logits = teacher(input_ids=chunks[i : i + 1], use_cache=False).logits

@@ -127,13 +127,13 @@ def test_resume_matches_uninterrupted(tmp_path):
     ws2, teacher2 = _pruned_tiny()
     with pytest.raises(KeyboardInterrupt):
         _train(ws2, teacher2, cfg, state_dir=tmp_path, progress=_InterruptAfter(5))
-    assert (tmp_path / "state.pt").is_file()  # saved at step 4
+    assert (tmp_path / "state.safetensors").is_file()  # saved at step 4
     ws3, teacher3 = _pruned_tiny()
     run, *_ = _train(ws3, teacher3, cfg.model_copy(update={"resume": True}), state_dir=tmp_path)
     assert run["resumed_at"] == 4 and run["steps"] == 6
     for (n1, p1), (n3, p3) in zip(ws1.model.state_dict().items(), ws3.model.state_dict().items()):
         assert n1 == n3 and torch.equal(p1, p3), n1
-    assert not (tmp_path / "state.pt").exists()  # finished: nothing left to resume
+    assert not (tmp_path / "state.safetensors").exists()  # finished: nothing left to resume
 
 
 def test_resume_refuses_other_settings(tmp_path):
