@@ -213,6 +213,11 @@ class CalibrationConfig(BaseModel):
     autocast: Literal["off", "bfloat16"] = Field(
         "off", description="run calibration forwards in bfloat16 autocast (faster on AMX CPUs/GPUs)"
     )
+    streaming: bool | Literal["auto"] = Field(
+        "auto", description="read one decoder layer at a time from the safetensors shards and write "
+        "it compressed (models larger than memory); auto: when the weights would fill over half "
+        "of the available memory and the recipe can stream",
+    )
 
     def autocast_dtype(self) -> torch.dtype | None:
         return torch.bfloat16 if self.autocast == "bfloat16" else None

@@ -76,15 +76,19 @@ def run_recipe(
     trust_remote_code: bool = False,
     progress: Progress | None = None,
     gates: list[str] | None = None,
+    resume: bool = False,
 ) -> dict:
     """Apply ``recipe`` and write the checkpoint (with recipe and report) to ``output``.
 
     Started by torchrun, every rank calibrates on its share of the samples and rank 0 alone
     evaluates and writes; the other ranks return a report without metrics.
+    Finished layers of the calibrated stages are saved beside ``output`` as they complete;
+    ``resume`` continues from them after a crash or Ctrl-C (same bytes as an uninterrupted run).
+    A model that does not fit in memory runs streaming (:mod:`optc.stream_pipeline`).
     """
     with process_group(device):
         return _run_recipe(recipe, output, overwrite=overwrite, device=device, trust_remote_code=trust_remote_code,
-                           progress=progress, gates=gates)
+                           progress=progress, gates=gates, resume=resume)
 
 
 def _run_recipe(
@@ -96,13 +100,19 @@ def _run_recipe(
     trust_remote_code: bool = False,
     progress: Progress | None = None,
     gates: list[str] | None = None,
+    resume: bool = False,
 ) -> dict:
+    from optc.stream_pipeline import baseline_perplexity, keeping_progress, open_store, run_streaming, wants_streaming
+
     progress = progress or NullProgress()
     gate_list = _recipe_gates(recipe, gates, output)  # parsed before any work
     t_start = time.perf_counter()
     if output is not None:
         check_output(output, overwrite)
         check_recipe_export(recipe)  # an impossible export is refused before any calibration
+    if wants_streaming(recipe):
+        return run_streaming(recipe, output, overwrite=overwrite, device=device, trust_remote_code=trust_remote_code,
+                             progress=progress, gate_list=gate_list, resume=resume)
     torch.manual_seed(recipe.calibration.seed)
     if recipe.evaluation is not None:
         check_disjoint(recipe.calibration.dataset, recipe.evaluation.dataset)
@@ -124,63 +134,69 @@ def _run_recipe(
     teacher = _teacher(model, loaded.path, recover, report, trust_remote_code)
     if teacher is not None:
         report["recipe"] = recipe.model_dump(mode="json")  # with the teacher it resolved
+    ws = Workspace(model, loaded.tokenizer, recipe.calibration, device, progress,
+                   qparams=dict(loaded.qparams), masks=dict(loaded.masks), nm=loaded.nm, teacher=teacher)
+    ws.store = open_store(recipe, output, loaded.path, device, resume, ws.qparams)
     tokens = None
     if recipe.evaluation is not None and is_main_process():
         tokens = evaluation_token_cache(loaded.tokenizer, recipe.evaluation.dataset)
         if recipe.evaluation.baseline:
             # Recovering a compressed checkpoint: its teacher is the uncompressed baseline.
             base_model = teacher if report["baseline"] is not None else model
-            report["metrics"]["perplexity_baseline"] = _evaluate(base_model, tokens, recipe.evaluation, progress)
-
-    ws = Workspace(model, loaded.tokenizer, recipe.calibration, device, progress,
-                   qparams=dict(loaded.qparams), masks=dict(loaded.masks), nm=loaded.nm, teacher=teacher)
+            report["metrics"]["perplexity_baseline"] = baseline_perplexity(
+                ws.store, recipe.evaluation, lambda: _evaluate(base_model, tokens, recipe.evaluation, progress))
     if recipe.evaluation is not None:
         ws.evaluate = lambda m: _evaluate(m, tokens, recipe.evaluation, progress)
     if output is not None:
         ws.state_dir = output.expanduser().parent / f".{output.name}.recover-state"
-    for i, stage in enumerate(recipe.stages):
-        _, fn = STAGES[stage.type]
-        t0 = time.perf_counter()
-        log.info("stage %d: %s", i, stage.type)
-        stats = fn(ws, stage)
-        if "perplexity_before" in stats:
-            report["metrics"]["perplexity_before_recovery"] = stats.pop("perplexity_before")
-        report["stages"].append(
-            {
-                "type": stage.type,
-                "seconds": round(time.perf_counter() - t0, 2),
-                "summary": _stage_summary(stats),
-                "stats": stats,
-            }
-        )
-    if not is_main_process():
-        return report  # distributed: rank 0 evaluates and writes
-    report["metrics"].update(count_parameters(model))
-    if recipe.evaluation is not None:
-        report["metrics"]["perplexity_compressed"] = _evaluate(model, tokens, recipe.evaluation, progress)
-    _add_eval_details(report, model)
+    with keeping_progress(ws.store):
+        for i, stage in enumerate(recipe.stages):
+            _, fn = STAGES[stage.type]
+            if ws.store is not None:
+                ws.store.begin_stage(i, stage.type)
+            t0 = time.perf_counter()
+            log.info("stage %d: %s", i, stage.type)
+            stats = fn(ws, stage)
+            if "perplexity_before" in stats:
+                report["metrics"]["perplexity_before_recovery"] = stats.pop("perplexity_before")
+            report["stages"].append(
+                {
+                    "type": stage.type,
+                    "seconds": round(time.perf_counter() - t0, 2),
+                    "summary": _stage_summary(stats),
+                    "stats": stats,
+                }
+            )
+        if not is_main_process():
+            return report  # distributed: rank 0 evaluates and writes
+        report["metrics"].update(count_parameters(model))
+        if recipe.evaluation is not None:
+            report["metrics"]["perplexity_compressed"] = _evaluate(model, tokens, recipe.evaluation, progress)
+        _add_eval_details(report, model)
 
-    if output is not None:
-        check_free_space(output, estimate_checkpoint_bytes(model, {n: p.scheme for n, p in ws.qparams.items()},
-                                                           recipe.export.format))
-        trim()  # calibration's freed fragments, before export allocates the packed tensors
-        with staged_output(output, overwrite, protect=loaded.path) as tmp:
-            if ws.adapter is not None:
-                restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
-                ws.adapter.base_model = str(output)
-            fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
-            adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
-            if ws.masks and recipe.export.sparsity_metadata and fmt.split("/")[0] in ("dense", "compressed-tensors"):
-                write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
-            (tmp / "recipe.yaml").write_text(recipe.to_yaml())
-            report["checkpoint"] = {"path": str(output), "format": fmt, "bytes": directory_bytes(tmp)}
-            if adapter_files:
-                report["checkpoint"]["adapter"] = adapter_files
-            report["metrics"]["size"] = size_metrics(ws.model, tmp)
+        if output is not None:
+            check_free_space(output, estimate_checkpoint_bytes(model, {n: p.scheme for n, p in ws.qparams.items()},
+                                                               recipe.export.format))
+            trim()  # calibration's freed fragments, before export allocates the packed tensors
+            with staged_output(output, overwrite, protect=loaded.path) as tmp:
+                if ws.adapter is not None:
+                    restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
+                    ws.adapter.base_model = str(output)
+                fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
+                adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
+                if ws.masks and recipe.export.sparsity_metadata and fmt.split("/")[0] in ("dense", "compressed-tensors"):
+                    write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
+                (tmp / "recipe.yaml").write_text(recipe.to_yaml())
+                report["checkpoint"] = {"path": str(output), "format": fmt, "bytes": directory_bytes(tmp)}
+                if adapter_files:
+                    report["checkpoint"]["adapter"] = adapter_files
+                report["metrics"]["size"] = size_metrics(ws.model, tmp)
+                report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
+                write_report(report, tmp)
+        else:
             report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
-            write_report(report, tmp)
-    else:
-        report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
+    if ws.store is not None:
+        ws.store.remove()
     return report
 
 
@@ -251,8 +267,9 @@ def _recipe_gates(recipe: Recipe, extra: list[str] | None, output: Path | None) 
     return gate_list
 
 
-def _add_eval_details(report: dict, model: torch.nn.Module) -> None:
-    """Paired perplexity change, per-layer statistics and per-stage timings of a run."""
+def _add_eval_details(report: dict, model: torch.nn.Module, layers: list[dict] | None = None) -> None:
+    """Paired perplexity change, per-layer statistics (``layers``: already computed, when the
+    weights are not in memory) and per-stage timings of a run."""
     metrics = report["metrics"]
     base, comp = metrics.get("perplexity_baseline"), metrics.get("perplexity_compressed")
     if base and comp:
@@ -260,7 +277,7 @@ def _add_eval_details(report: dict, model: torch.nn.Module) -> None:
         report["timings"]["baseline_eval"], report["timings"]["eval"] = base["seconds"], comp["seconds"]
     for i, st in enumerate(report["stages"]):
         report["timings"][f"stage {i}: {st['type']}"] = st["seconds"]
-    report["layers"] = layer_statistics(model, *stage_layer_info(report["stages"]))
+    report["layers"] = layers if layers is not None else layer_statistics(model, *stage_layer_info(report["stages"]))
 
 
 def export_checkpoint(ws: Workspace, fmt: str, directory: Path, max_shard_size: str) -> str:
@@ -330,8 +347,13 @@ def evaluate_model(
     threads: int | None = None,
     tasks: list[str] | None = None,
     cache: bool = True,
+    streaming: bool = False,
 ) -> dict:
-    """Perplexity, KL to a baseline, size and latency of a model, with a report (and gates)."""
+    """Perplexity, KL to a baseline, size and latency of a model, with a report (and gates).
+
+    ``streaming`` evaluates layer-major, one decoder layer in memory at a time (perplexity and
+    size only), for models larger than memory.
+    """
     from optc.evaluate.gates import parse_gates
     from optc.evaluate.latency import KERNEL_CHOICES
     from optc.evaluate.suite import EvalOptions, run_evaluation, timed
@@ -349,6 +371,15 @@ def evaluate_model(
         check_output(output, overwrite)
     EvaluationConfig(dataset=dataset, seqlen=seqlen, windows=windows, stride=stride, batch_size=batch_size)
     report = new_report(source or "smollm2-135m", command="eval")
+    if streaming:
+        from optc.stream_pipeline import evaluate_streaming
+
+        report["baseline"] = baseline
+        evaluate_streaming(source, baseline, opts, report, progress)
+        if output is not None:
+            with staged_output(output, overwrite) as tmp:
+                write_report(report, tmp)
+        return report
     with timed(report["timings"], "load"):
         loaded = load_model(source)
         base = load_model(baseline) if baseline is not None else None

@@ -18,6 +18,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optc.calibrate.hessian import HessianAccumulator
+from optc.calibrate.layerstore import LayerStore
 from optc.calibrate.modules import check_patterns, select_linears, set_weight_2d, weight_2d
 from optc.calibrate.modules import find_decoder_layers
 from optc.calibrate.observers import ActivationStats, MinMaxObserver
@@ -90,6 +91,7 @@ class Workspace:
     evaluate: Callable[[torch.nn.Module], dict] | None = None  # the recipe's evaluation
     state_dir: Path | None = None  # where a recovery keeps its resumable state
     adapter: Adapter | None = None  # a recovery adapter to write beside the checkpoint
+    store: LayerStore | None = None  # saves finished layers (resume); streams them when streaming
     _ids: torch.Tensor | None = None
 
     def calibration_ids(self) -> torch.Tensor:
@@ -162,16 +164,25 @@ class RTNStage(_WeightQuantStage):
 
 
 def run_rtn(ws: Workspace, cfg: RTNStage) -> dict:
-    linears = select_linears(ws.model, cfg.targets, cfg.ignore)
-    per_module = {}
-    with torch.no_grad(), ws.progress.task("rtn", total=len(linears)) as advance:
-        for name, module in linears.items():
-            scheme = cfg.scheme_for(name)
-            if scheme is not None:
-                w = weight_2d(module).detach()
-                p = choose_qparams(w, scheme, cfg.observer)
-                per_module[name] = _record_quantized(ws, name, module, fake_quantize(w, p), p)
-            advance()
+    per_module: dict[str, dict] = {}
+
+    def solve(step: LayerStep) -> dict:
+        with torch.no_grad():
+            for name, module in step.linears.items():
+                scheme = cfg.scheme_for(name)
+                if scheme is not None:
+                    w = weight_2d(module).detach()
+                    p = choose_qparams(w, scheme, cfg.observer)
+                    per_module[name] = _record_quantized(ws, name, module, fake_quantize(w, p), p)
+        return {}
+
+    # Layer by layer through the runner with no calibration samples (no forward runs), so a
+    # streamed model is read one layer at a time like for the calibrated methods.
+    run_sequential(
+        ws.model, torch.zeros(0, 1, dtype=torch.long), solve, targets=cfg.targets, ignore=cfg.ignore,
+        batch_size=1, device=ws.device, progress=ws.progress, description="rtn", store=ws.store,
+        records=per_module,
+    )
     return {"modules": per_module}
 
 
@@ -238,7 +249,7 @@ def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
             per_module[name] = {**stats, "gptq_loss": round(res.loss, 6)}
         return {}
 
-    layers = _run_calibration(ws, cfg, solve, "gptq")
+    layers = _run_calibration(ws, cfg, solve, "gptq", records=per_module)
     return {"modules": per_module, "layers": layers}
 
 
@@ -302,16 +313,17 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
             per_module[name] = _record_quantized(ws, name, module, fake_quantize(w, p), p)
         return {}
 
-    layers = _run_calibration(ws, cfg, solve, "awq")
+    layers = _run_calibration(ws, cfg, solve, "awq", records=per_module)
     return {"modules": per_module, "layers": layers}
 
 
-def _run_calibration(ws: Workspace, cfg: _Stage, solve, description: str) -> list[dict]:
+def _run_calibration(ws: Workspace, cfg: _Stage, solve, description: str, records: dict | None = None) -> list[dict]:
     return run_sequential(
         ws.model, ws.calibration_ids(), solve,
         targets=cfg.targets, ignore=cfg.ignore,
         batch_size=ws.calibration.resolved_batch_size(ws.device), device=ws.device,
         autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description=description,
+        store=ws.store, records=records,
     )
 
 

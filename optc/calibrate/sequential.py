@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from optc.calibrate import distributed
 from optc.calibrate.modules import find_decoder_layers, select_linears
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
+
+if TYPE_CHECKING:
+    from optc.calibrate.layerstore import LayerStore
 
 log = logging.getLogger(__name__)
 
@@ -262,12 +265,16 @@ def run_sequential(
     autocast: torch.dtype | None = None,
     progress: Progress | None = None,
     description: str = "calibrating",
+    store: LayerStore | None = None,
+    records: dict | None = None,
 ) -> list[dict]:
     """Calibrate ``model`` layer by layer on ``ids`` ([samples, seqlen]); returns per-layer stats.
 
     ``propagate=False`` feeds each layer the float outputs of the previous layer instead of
     the compressed ones (one forward per layer less; used by observers that do not change
-    weights).
+    weights). ``store`` saves each finished layer (resume) and, when streaming, loads each
+    layer before and frees it after; ``records`` is the solver's per-Linear statistics dict,
+    which the store saves and restores with the layers.
     """
     device = torch.device(device)
     progress = progress or NullProgress()
@@ -278,13 +285,22 @@ def run_sequential(
     stats: list[dict] = []
     world_tokens = ids.shape[0] * ids.shape[1]
     ids, row_offset, batch_size = distributed.shard(ids, batch_size)
+    if store is not None:
+        store.before_capture(model, prefix, layers)
     with torch.inference_mode():
         batches = capture_first_layer_inputs(model, ids, batch_size, device)
+    start = store.start(model, prefix, layers, batches) if store is not None else 0
     with progress.task(description, total=len(layers)) as advance:
         for i, layer in enumerate(layers):
             t0 = time.perf_counter()
             name = f"{prefix}.{i}"
+            if i < start:  # finished by the interrupted run this one resumes
+                stats.append(store.restore(i, name, layer, records))
+                advance()
+                continue
             linears = {n: m for n, m in chosen.items() if n.startswith(name + ".")}
+            if store is not None:
+                store.load(i, name, layer)
             layer.to(device)
             step = LayerStep(i, name, layer, linears, batches, autocast=autocast,
                              row_offset=row_offset, world_tokens=world_tokens)
@@ -303,10 +319,13 @@ def run_sequential(
             layer.to("cpu")
             trim()
             layer_stats.update(layer=name, seconds=round(time.perf_counter() - t0, 3))
+            if store is not None:
+                store.done(i, name, layer, layer_stats, batches, records, last=i == len(layers) - 1)
             stats.append(layer_stats)
             log.debug("layer %s done in %.2fs", name, layer_stats["seconds"])
             advance()
-    with _layers_detached(model, prefix):
-        model.to("cpu")
+    if store is None or not store.streaming:  # streaming: nothing of the model is in memory now
+        with _layers_detached(model, prefix):
+            model.to("cpu")
     model.train(was_training)
     return stats

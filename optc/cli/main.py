@@ -19,7 +19,7 @@ from rich.progress import Progress as RichProgressBar
 from rich.table import Table
 
 import optc
-from optc.errors import OptcError
+from optc.errors import Interrupted, OptcError
 
 app = typer.Typer(
     name="optc",
@@ -51,6 +51,8 @@ FormatOpt = Annotated[Optional[str], typer.Option("--format", help="Export forma
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
 GateOpt = Annotated[Optional[list[str]], typer.Option("--gate", help="CI gate, e.g. 'ppl_increase<=5%' (repeatable); a failed gate exits with code 3 after the report is written.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; print only errors and failed gates.")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from the layers it saved beside --output (same checkpoint as an uninterrupted run).")]
+StreamingOpt = Annotated[bool, typer.Option("--streaming", help="Read one decoder layer at a time from the safetensors shards (models larger than memory; default: when the model does not fit).")]
 
 
 def _version(value: bool) -> None:
@@ -88,11 +90,26 @@ def handle_errors(fn: Callable) -> Callable:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             err_console.print(f"[bold red]error:[/] {problems}", soft_wrap=True, highlight=False)
             raise typer.Exit(1) from None
+        except Interrupted as exc:
+            err_console.print(
+                f"[bold red]interrupted[/] ({exc.where}): no output was written. The finished layers are "
+                f"saved in {exc.state_dir}; continue with:\n  {_resume_command()}", soft_wrap=True, highlight=False,
+            )
+            raise typer.Exit(130) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]: no output was written")
             raise typer.Exit(130) from None
 
     return wrapper
+
+
+def _resume_command() -> str:
+    """The command line that was run, with ``--resume``."""
+    import shlex
+    import sys
+
+    args = sys.argv[1:]
+    return shlex.join(["optc", *args, *([] if "--resume" in args else ["--resume"])])
 
 
 class RichProgress:
@@ -168,8 +185,9 @@ def _finish(report: dict, as_json: bool, quiet: bool) -> None:
         raise typer.Exit(GATE_EXIT_CODE)
 
 
-def _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt) -> dict:
+def _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming: bool = False) -> dict:
     return {
+        "calibration.streaming": True if streaming else None,
         "model": model,
         "calibration.dataset": dataset,
         "calibration.samples": samples,
@@ -181,7 +199,7 @@ def _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windo
     }
 
 
-def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_remote_code, no_eval, as_json, stages: list | None = None, gates: list[str] | None = None, quiet: bool = False) -> None:
+def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_remote_code, no_eval, as_json, stages: list | None = None, gates: list[str] | None = None, quiet: bool = False, resume: bool = False) -> None:
     from optc.calibrate.distributed import is_main_process
     from optc.pipeline import run_recipe
     from optc.recipe import apply_overrides, parse_recipe, read_recipe_data, resolve_recipe
@@ -196,7 +214,7 @@ def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_rem
         data["evaluation"] = None
     recipe = parse_recipe(apply_overrides(data, overrides), str(path))
     main = is_main_process()  # under torchrun only rank 0 shows progress and prints the report
-    report = run_recipe(recipe, output, overwrite=overwrite, device=_device(device), trust_remote_code=trust_remote_code, progress=_progress(quiet or not main), gates=gates)
+    report = run_recipe(recipe, output, overwrite=overwrite, device=_device(device), trust_remote_code=trust_remote_code, progress=_progress(quiet or not main), gates=gates, resume=resume)
     if main:
         _finish(report, as_json, quiet)
 
@@ -235,11 +253,11 @@ def run(
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
-    gate: GateOpt = None, quiet: QuietOpt = False,
+    gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
 ) -> None:
     """Run a whole multi-stage recipe: compress, evaluate, export, report."""
-    overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
-    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet)
+    overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming)
+    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume)
 
 
 @app.command()
@@ -253,12 +271,12 @@ def quantize(
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
-    gate: GateOpt = None, quiet: QuietOpt = False,
+    gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
 ) -> None:
     """Quantize weights with a recipe (default: 4-bit round-to-nearest); flags override it."""
-    overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
+    overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming)
     overrides.update({"stages.0.type": method, "stages.0.scheme.bits": bits, "stages.0.scheme.group_size": group_size})
-    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet)
+    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume)
 
 
 @app.command()
@@ -273,7 +291,7 @@ def prune(
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
-    gate: GateOpt = None, quiet: QuietOpt = False,
+    gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False,
 ) -> None:
     """Prune weights: unstructured (--sparsity), N:M (--pattern 2:4) or structured (--structured)."""
     if method not in ("magnitude", "wanda", "sparsegpt"):
@@ -293,7 +311,7 @@ def prune(
     else:
         overrides.update({"stages.0.type": method if method != "magnitude" else None, "stages.0.pattern": pattern, "stages.0.sparsity": sparsity})
         overrides.update({f"stages.0.{k}": v for k, v in (parts or {}).items()})
-    _run(recipe or "prune-2of4-magnitude.yaml", overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, stages, gates=gate, quiet=quiet)
+    _run(recipe or "prune-2of4-magnitude.yaml", overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, stages, gates=gate, quiet=quiet, resume=resume)
 
 
 @app.command()
@@ -383,6 +401,7 @@ def eval_(
     threads: Annotated[Optional[int], typer.Option("--threads", help="Latency: torch threads (default: torch's).")] = None,
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="lm-eval-harness tasks, comma-separated (needs lm-eval and its data).")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Tokenize the evaluation text again instead of using the disk cache.")] = False,
+    streaming: Annotated[bool, typer.Option("--streaming", help="Layer-major evaluation, one decoder layer in memory at a time (perplexity and size; models larger than memory).")] = False,
 ) -> None:
     """Perplexity with a 95% interval, KL and top-1 agreement against --baseline, size, latency; gates for CI."""
     from optc.pipeline import evaluate_model
@@ -392,7 +411,7 @@ def eval_(
         model, dataset=dataset, seqlen=seqlen, windows=windows, stride=stride, batch_size=batch_size,
         baseline=baseline, output=output, overwrite=overwrite, progress=_progress(quiet), gates=gate,
         latency=latency, kernel=kernel, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-        repeats=repeats, threads=threads, tasks=task_list, cache=not no_cache,
+        repeats=repeats, threads=threads, tasks=task_list, cache=not no_cache, streaming=streaming,
     )
     _finish(report, as_json, quiet)
 

@@ -47,15 +47,24 @@ def _linear_of(key: str, linears: set[str]) -> str | None:
     return None
 
 
-def size_metrics(model: torch.nn.Module, path: Path | None) -> dict:
-    """The ``metrics.size`` section of a report for ``model`` stored at ``path`` (if any)."""
-    parameters, nonzero = parameter_counts(model)
+def size_metrics(
+    model: torch.nn.Module, path: Path | None, counts: tuple[int, int, int, int] | None = None
+) -> dict:
+    """The ``metrics.size`` section of a report for ``model`` stored at ``path`` (if any).
+
+    ``counts`` (parameters, non-zeros, decoder-Linear weights, their zeros) stands in for
+    counting on ``model`` when its tensors are not in memory (streaming).
+    """
     try:
         linears = select_linears(model, [".*"], [])
     except OptcError:  # no recognisable decoder layers: whole-model numbers only
         linears = {}
-    linear_params = sum(weight_2d(m).numel() for m in linears.values())
-    linear_zeros = sum(int((weight_2d(m) == 0).sum()) for m in linears.values())
+    if counts is None:
+        parameters, nonzero = parameter_counts(model)
+        linear_params = sum(weight_2d(m).numel() for m in linears.values())
+        linear_zeros = sum(int((weight_2d(m) == 0).sum()) for m in linears.values())
+    else:
+        parameters, nonzero, linear_params, linear_zeros = counts
     out = {
         "bytes_on_disk": None, "weight_bytes": None, "parameters": parameters, "nonzero": nonzero,
         "sparsity": round(linear_zeros / linear_params, 6) if linear_params else None,

@@ -221,6 +221,50 @@ def _compress_module(
     return out
 
 
+def pack_linear(
+    name: str, module: torch.nn.Module | None, p: QuantParams, group_size: int | None
+) -> tuple[dict[str, torch.Tensor], tuple]:
+    """The pack-quantized tensors of one fake-quantized Linear, stored with ``group_size``
+    (see :func:`regroup`), and its config-group key ``(bits, symmetric, group_size, actorder)``."""
+    if not isinstance(module, torch.nn.Linear):
+        raise OptcError(f"{name!r} is not an nn.Linear of this model; pack-quantized covers Linears only")
+    if p.actorder and not _ct_accepts_g_idx():
+        raise OptcError(
+            f"{name} uses act-order groups (permuted g_idx), which compressed-tensors "
+            f"{_ct_version()} no longer loads (actorder 'group' was removed); "
+            "quantize with static groups (actorder 'weight') instead"
+        )
+    if group_size != p.scheme.group_size:
+        stored = regroup(p, group_size)
+        log.info("%s (K=%d): %s stored as %s", name, module.in_features, p.scheme.label(), stored.scheme.label())
+        p = stored
+    with torch.no_grad():
+        tensors = _compress_module(name, module.weight, p)
+    return tensors, (p.scheme.bits, p.scheme.symmetric, p.scheme.group_size, p.actorder)
+
+
+def write_pack_quantized_config(model: torch.nn.Module, groups: dict[tuple, list[str]], directory: Path) -> dict:
+    """``config.json`` (and the generation config) of a pack-quantized checkpoint; ``groups``
+    maps :func:`pack_linear` keys to module names, in order. Returns the config groups."""
+    config_groups = {}
+    for i, ((bits, sym, gs, actorder), names) in enumerate(groups.items()):
+        scheme = QuantScheme(bits=bits, symmetric=sym, group_size=gs)
+        config_groups[f"group_{i}"] = {
+            # Exact module names: compressed-tensors and vLLM match targets by exact name, "re:"
+            # regex or class name; names keep mixed-precision assignments unambiguous.
+            "targets": names,
+            "weights": _weights_args(scheme, actorder),
+            "input_activations": None,
+            "output_activations": None,
+            "format": FORMAT,
+        }
+    quantized = {n for names in groups.values() for n in names}
+    ignore = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized]
+    # Same block ModelCompressor.update_config writes.
+    _write_quantized_config(model, Path(directory), config_groups, ignore, FORMAT)
+    return config_groups
+
+
 def write_pack_quantized(
     model: torch.nn.Module,
     qparams: dict[str, QuantParams],
@@ -250,24 +294,11 @@ def write_pack_quantized(
     regrouped: dict[str, int | None] = {}
     for name, p in qparams.items():
         module = modules.get(name)
-        if not isinstance(module, torch.nn.Linear):
-            raise OptcError(f"{name!r} is not an nn.Linear of this model; pack-quantized covers Linears only")
-        if f"{name}.weight" not in state:
+        if f"{name}.weight" not in state and isinstance(module, torch.nn.Linear):
             raise OptcError(f"{name}.weight is tied to another tensor; a tied weight cannot be quantized alone")
-        if p.actorder and not _ct_accepts_g_idx():
-            raise OptcError(
-                f"{name} uses act-order groups (permuted g_idx), which compressed-tensors "
-                f"{_ct_version()} no longer loads (actorder 'group' was removed); "
-                "quantize with static groups (actorder 'weight') instead"
-            )
-        if targets[name] != p.scheme.group_size:
-            p = regroup(p, targets[name])
-            regrouped[name] = targets[name]
-            log.info("%s (K=%d): %s stored as %s", name, module.in_features,
-                     qparams[name].scheme.label(), p.scheme.label())
-        with torch.no_grad():
-            packed[name] = _compress_module(name, module.weight, p)
-        key = (p.scheme.bits, p.scheme.symmetric, p.scheme.group_size, p.actorder)
+        packed[name], key = pack_linear(name, module, p, targets[name])
+        if key[2] != p.scheme.group_size:
+            regrouped[name] = key[2]
         groups.setdefault(key, []).append(name)
 
     tensors: dict[str, torch.Tensor] = {}
@@ -279,39 +310,7 @@ def write_pack_quantized(
             tensors[key] = t
     files = write_safetensors(tensors, directory, max_shard_bytes=max_shard_bytes)
 
-    config_groups = {}
-    for i, ((bits, sym, gs, actorder), names) in enumerate(groups.items()):
-        scheme = QuantScheme(bits=bits, symmetric=sym, group_size=gs)
-        config_groups[f"group_{i}"] = {
-            # Exact module names: compressed-tensors and vLLM match targets by exact name, "re:"
-            # regex or class name; names keep mixed-precision assignments unambiguous.
-            "targets": names,
-            "weights": _weights_args(scheme, actorder),
-            "input_activations": None,
-            "output_activations": None,
-            "format": FORMAT,
-        }
-    ignore = [n for n, m in modules.items() if isinstance(m, torch.nn.Linear) and n not in qparams]
-    # Same block ModelCompressor.update_config writes.
-    quant_config = {
-        "version": _ct_version(),
-        "quant_method": "compressed-tensors",
-        "sparsity_config": {},
-        "transform_config": {},
-        "config_groups": config_groups,
-        "format": FORMAT,
-        "quantization_status": "compressed",
-        "kv_cache_scheme": None,
-        "global_compression_ratio": None,
-        "ignore": ignore,
-    }
-    config = model.config.to_dict()
-    config["dtype"] = str(model.dtype).removeprefix("torch.")
-    config["quantization_config"] = quant_config
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(directory)
-
+    config_groups = write_pack_quantized_config(model, groups, directory)
     summary = {
         "format": FORMAT,
         "bytes": sum(f.stat().st_size for f in files),
@@ -360,35 +359,42 @@ def read_pack_quantized(
     qparams: dict[str, QuantParams] = {}
     modules = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
     for name in modules:
-        group = _scheme_for(name, qc["config_groups"])
-        fmt = group.get("format") or qc.get("format")
-        args = group["weights"]
-        if fmt != FORMAT or args.get("type", "int") != "int":
-            raise OptcError(f"{name}: format {fmt!r} / type {args.get('type')!r} is not int {FORMAT}")
-        if args.get("strategy") not in ("group", "channel"):
-            raise OptcError(f"{name}: strategy {args.get('strategy')!r} is not supported")
-        scheme = QuantScheme(
-            bits=args["num_bits"],
-            symmetric=args.get("symmetric", True),
-            group_size=args["group_size"] if args["strategy"] == "group" else None,
-        )
-        n, k = (int(v) for v in tensors.pop(f"{name}.weight_shape"))
-        scale = tensors.pop(f"{name}.weight_scale")
-        zp = tensors.pop(f"{name}.weight_zero_point", None)
-        if scheme.symmetric or zp is None:
-            zero = torch.zeros(scale.shape, dtype=torch.int32)
-        else:
-            zero = unpack_int32(zp.t().contiguous(), scheme.bits, n).t().to(torch.int32)
-        g_idx = tensors.pop(f"{name}.weight_g_idx", None)
-        g_idx = default_g_idx(k, scheme) if g_idx is None else g_idx.to(torch.int32)
-        p = QuantParams(scheme, scale.float(), zero.contiguous(), g_idx)
-        q = unpack_int32(tensors.pop(f"{name}.weight_packed"), scheme.bits, k)
-        if q.shape[0] != n:
-            raise OptcError(f"{name}: packed rows {q.shape[0]} != weight_shape {n}")
-        state[f"{name}.weight"] = dequantize(q, p, scale.dtype)
-        qparams[name] = p
+        state[f"{name}.weight"], qparams[name] = dequantize_packed(name, tensors, qc)
     state.update(tensors)
     return state, qparams
+
+
+def dequantize_packed(
+    name: str, tensors: dict[str, torch.Tensor], qc: dict
+) -> tuple[torch.Tensor, QuantParams]:
+    """Module ``name``'s float weight and params from its pack-quantized tensors, which are
+    taken out of ``tensors``; ``qc`` is the checkpoint's ``quantization_config``."""
+    group = _scheme_for(name, qc["config_groups"])
+    fmt = group.get("format") or qc.get("format")
+    args = group["weights"]
+    if fmt != FORMAT or args.get("type", "int") != "int":
+        raise OptcError(f"{name}: format {fmt!r} / type {args.get('type')!r} is not int {FORMAT}")
+    if args.get("strategy") not in ("group", "channel"):
+        raise OptcError(f"{name}: strategy {args.get('strategy')!r} is not supported")
+    scheme = QuantScheme(
+        bits=args["num_bits"],
+        symmetric=args.get("symmetric", True),
+        group_size=args["group_size"] if args["strategy"] == "group" else None,
+    )
+    n, k = (int(v) for v in tensors.pop(f"{name}.weight_shape"))
+    scale = tensors.pop(f"{name}.weight_scale")
+    zp = tensors.pop(f"{name}.weight_zero_point", None)
+    if scheme.symmetric or zp is None:
+        zero = torch.zeros(scale.shape, dtype=torch.int32)
+    else:
+        zero = unpack_int32(zp.t().contiguous(), scheme.bits, n).t().to(torch.int32)
+    g_idx = tensors.pop(f"{name}.weight_g_idx", None)
+    g_idx = default_g_idx(k, scheme) if g_idx is None else g_idx.to(torch.int32)
+    p = QuantParams(scheme, scale.float(), zero.contiguous(), g_idx)
+    q = unpack_int32(tensors.pop(f"{name}.weight_packed"), scheme.bits, k)
+    if q.shape[0] != n:
+        raise OptcError(f"{name}: packed rows {q.shape[0]} != weight_shape {n}")
+    return dequantize(q, p, scale.dtype), p
 
 
 # --------------------------------------------------------------------------------------------

@@ -57,14 +57,12 @@ def _dedupe_aliases(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
-def _plan_shards(
-    tensors: dict[str, torch.Tensor], max_shard_bytes: int
-) -> list[list[str]]:
-    """Greedy split in insertion order, like HF: a tensor larger than the limit gets its own shard."""
+def plan_shards(sizes: dict[str, int], max_shard_bytes: int) -> list[list[str]]:
+    """Greedy split of tensor names (with their byte sizes) in insertion order, like HF: a
+    tensor larger than the limit gets its own shard."""
     shards: list[list[str]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        n = _nbytes(t)
+    for name, n in sizes.items():
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
@@ -111,11 +109,9 @@ def write_safetensors(
     tensors = _dedupe_aliases(tensors)
     meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
 
-    shards = _plan_shards(tensors, max_shard_bytes)
+    shards = plan_shards({k: _nbytes(t) for k, t in tensors.items()}, max_shard_bytes)
     n = len(shards)
-    names = [SINGLE_FILE] if n == 1 else [
-        f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)
-    ]
+    names = shard_file_names(n)
     paths: list[Path] = []
     weight_map: dict[str, str] = {}
     for file_name, keys in zip(names, shards):
@@ -127,13 +123,18 @@ def write_safetensors(
         del chunk
 
     if n > 1:
-        index = {
-            "metadata": {"total_size": sum(_nbytes(t) for t in tensors.values())},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        write_index(directory, weight_map, sum(_nbytes(t) for t in tensors.values()))
     log.info("wrote %d tensors to %d file(s) in %s", len(tensors), n, directory)
     return paths
+
+
+def shard_file_names(n: int) -> list[str]:
+    return [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total_size: int) -> None:
+    index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
+    (Path(directory) / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def read_safetensors(directory: Path) -> dict[str, torch.Tensor]:

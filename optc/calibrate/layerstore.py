@@ -1,0 +1,348 @@
+"""Per-layer progress of a calibration run: resume after a crash, and streaming layers.
+
+The sequential runner calls a :class:`LayerStore` around every decoder layer. After a layer is
+solved the store saves, in the run's state directory (``.<output>.optc-resume`` beside the
+output):
+
+- the layer itself: its float tensors (in memory) or, when streaming, its compressed
+  pack-quantized tensors, which are also what the checkpoint is assembled from;
+- the quantization parameters and per-Linear statistics the stage recorded for it;
+- the activations that feed the next layer (so nothing before it is computed again);
+- ``progress.json``, written last and atomically, naming how many layers are done.
+
+Every file is written beside its name, fsynced and renamed, and the activations of a layer are
+deleted only after the progress naming the next one is on disk, so a crash at any instant leaves
+a consistent state. A resumed run re-runs the stages before the saved one (they are
+deterministic), restores the saved layers, loads the saved activations and continues, which
+gives the same bytes as an uninterrupted run on the same machine and thread count.
+
+When streaming, the store also loads each layer from the input shards just before it is
+calibrated (:func:`optc.calibrate.streaming.materialize`) and frees it once its compressed
+tensors are on disk, so memory holds one layer at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from optc.calibrate.streaming import (
+    CheckpointSource,
+    is_materialized,
+    linear_summary,
+    materialize,
+    release,
+    tensor_counts,
+)
+from optc.compress.quant import QuantParams, QuantScheme
+from optc.errors import OptcError
+from optc.export.stream_writer import file_slices, write_file
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+# Stages whose layers are saved as they finish (the long, calibrated ones). The other stages
+# are cheap or keep state outside the weights (observers, masks), and run again on resume.
+RESUMABLE_STAGES = ("gptq", "awq")
+PROGRESS = "progress.json"
+
+
+def state_dir_for(output: Path) -> Path:
+    """Where the resume state of a run writing ``output`` lives (beside it, hidden)."""
+    output = Path(output).expanduser()
+    return output.parent / f".{output.name}.optc-resume"
+
+
+def _layer_file(kind: str, i: int) -> str:
+    return f"{kind}-{i:05d}.safetensors"
+
+
+def _first_difference(a: dict, b: dict, path: str = "") -> str:
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            found = _first_difference(x, y, f"{path}{key}.")
+            if found:
+                return found
+        elif x != y:
+            return f"{path}{key} ({x!r} then, {y!r} now)"
+    return ""
+
+
+class LayerStore:
+    """The state directory of one run (see the module docstring).
+
+    ``fingerprint`` is everything the saved layers depend on (model files, dtype, calibration,
+    stages, device, versions); a saved state is used only by a run with the same one.
+    ``qparams`` is the workspace's dict of solved parameters, restored in place on resume.
+    ``source`` (streaming) is the input checkpoint the layers are read from.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        fingerprint: dict,
+        qparams: dict[str, QuantParams],
+        *,
+        resume: bool = False,
+        source: CheckpointSource | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        self.fingerprint = json.loads(json.dumps(fingerprint, default=str))
+        self.qparams = qparams
+        self.source = source
+        self.saved = self._read_saved(resume)
+        self.stage: tuple[int, str] | None = None
+        self.active = False  # whether the running stage's layers are saved
+        self.restore_count = 0  # layers of the running stage taken from the saved state
+        self.layers: list[dict] = []  # records of the running stage's layers, in order
+        self.outer_counts: tuple[int, int] | None = None
+
+    @property
+    def streaming(self) -> bool:
+        return self.source is not None
+
+    def _read_saved(self, resume: bool) -> dict | None:
+        path = self.directory / PROGRESS
+        if not path.is_file():
+            if resume:
+                log.warning("--resume: no saved progress in %s; starting from the beginning", self.directory)
+            if self.directory.exists():  # left by a run that stopped before finishing a layer
+                shutil.rmtree(self.directory)
+            return None
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise OptcError(f"saved progress {path} cannot be read ({exc}); delete {self.directory} to start over") from None
+        where = f"{len(saved.get('layers', []))} layers of stage {saved.get('stage')} ({saved.get('stage_type')})"
+        if not resume:
+            raise OptcError(
+                f"{self.directory} holds the saved progress of an interrupted run ({where} done): "
+                f"pass --resume to continue it, or delete that directory to start over"
+            )
+        if saved.get("version") != STATE_VERSION or saved.get("fingerprint") != self.fingerprint:
+            diff = _first_difference(saved.get("fingerprint") or {}, self.fingerprint) or "state version"
+            raise OptcError(
+                f"--resume: the saved progress in {self.directory} belongs to a different run "
+                f"({diff} differs); run the original command again, or delete that directory to start over"
+            )
+        if saved.get("threads") != torch.get_num_threads():
+            log.warning("resuming with %d threads where the saved layers used %s: float results may "
+                        "differ in the last bits from an uninterrupted run", torch.get_num_threads(), saved.get("threads"))
+        log.info("resuming: %s already done", where)
+        return saved
+
+    # --- stages ---------------------------------------------------------------------------
+
+    def begin_stage(self, index: int, stage_type: str) -> None:
+        """Called by the pipeline before each stage runs."""
+        self.stage = (index, stage_type)
+        saved = self.saved
+        self.restore_count = 0
+        if saved is not None and index < saved["stage"]:
+            self.active = False  # re-run (deterministic) without touching the saved state
+            return
+        if saved is not None and index == saved["stage"] and stage_type == saved["stage_type"]:
+            self.active = True
+            self.layers = list(saved["layers"])
+            self.restore_count = len(self.layers)
+            return
+        self.active = self.streaming or stage_type in RESUMABLE_STAGES
+        self.layers = []
+        if self.active:
+            self.saved = None  # a new resumable stage replaces whatever was saved
+            for kind in ("part", "layer", "acts", "qparams"):
+                for f in self.directory.glob(f"{kind}-*.safetensors"):
+                    f.unlink()
+            (self.directory / PROGRESS).unlink(missing_ok=True)
+
+    def extra(self, key: str) -> dict | None:
+        """A value saved with :meth:`save_extra` by the interrupted run (e.g. baseline metrics)."""
+        return ((self.saved or {}).get("extra") or {}).get(key)
+
+    def save_extra(self, key: str, value: dict) -> None:
+        path = self.directory / "extra.json"
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data[key] = value
+        self._write_json(path, data)
+
+    # --- hooks called by the sequential runner ----------------------------------------------
+
+    def before_capture(self, model: nn.Module, prefix: str, layers: nn.ModuleList) -> None:
+        """Streaming: everything outside the decoder layers, and layer 0, must be in memory
+        for the forward that captures the first layer's inputs."""
+        if self.streaming:
+            materialize(model, self.source, exclude=prefix)
+            materialize(layers[0], self.source, prefix=f"{prefix}.0.")
+
+    def start(self, model: nn.Module, prefix: str, layers: nn.ModuleList, batches: list) -> int:
+        """After the capture: the index of the first layer to compute (later ones on resume)."""
+        if self.streaming:
+            self.outer_counts = tensor_counts(model, exclude=prefix)
+            release(model, exclude=prefix)
+        n = self.restore_count
+        if n and self.streaming:
+            release(layers[0])
+        if 0 < n < len(layers):
+            self._load_activations(n - 1, batches)
+        return n
+
+    def load(self, i: int, name: str, layer: nn.Module) -> None:
+        if self.streaming and not is_materialized(layer):
+            materialize(layer, self.source, prefix=f"{name}.")
+
+    def restore(self, i: int, name: str, layer: nn.Module, records: dict | None) -> dict:
+        """A layer the interrupted run finished: its weights, parameters and statistics."""
+        rec = self.layers[i]
+        if not self.streaming:
+            with torch.no_grad():
+                layer.load_state_dict(self._read(_layer_file("layer", i)), strict=True)
+            self._restore_qparams(i, rec)
+        if records is not None:
+            records.update(rec["records"])
+        return dict(rec["stats"])
+
+    def done(self, i: int, name: str, layer: nn.Module, layer_stats: dict, batches: list,
+             records: dict | None, last: bool) -> None:
+        """Save a finished layer (and, streaming, write it compressed and free it)."""
+        if not self.active:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        mine = [m for m in self.qparams if m.startswith(name + ".")]
+        rec: dict = {
+            "layer": name,
+            "stats": layer_stats,
+            "records": {k: v for k, v in (records or {}).items() if k.startswith(name + ".")},
+        }
+        if self.streaming:
+            rec.update(self._write_part(i, name, layer, mine))
+            release(layer)
+        else:
+            write_file(self.directory / _layer_file("layer", i), dict(layer.state_dict()), durable=True)
+            rec["qparams"] = self._save_qparams(i, mine)
+        if not last:
+            acts = {str(j): b.hidden for j, b in enumerate(batches)}
+            write_file(self.directory / _layer_file("acts", i), acts, durable=True)
+        self.layers.append(rec)
+        self._write_progress()
+        old = self.directory / _layer_file("acts", i - 1)
+        if old.exists():
+            old.unlink()
+
+    # --- streaming --------------------------------------------------------------------------
+
+    def _write_part(self, i: int, name: str, layer: nn.Module, mine: list[str]) -> dict:
+        """The layer's checkpoint tensors (pack-quantized Linears, float rest), in state-dict order."""
+        from optc.export.compressed_tensors import _target_group_sizes, pack_linear
+
+        qp = {m: self.qparams[m] for m in mine}
+        targets = _target_group_sizes(qp, "per_layer")
+        modules = dict(layer.named_modules())
+        tensors: dict[str, torch.Tensor] = {}
+        keys: dict[str, list] = {}
+        for key, t in layer.state_dict().items():
+            mod, _, leaf = key.rpartition(".")
+            full = f"{name}.{mod}"
+            if leaf == "weight" and full in qp:
+                packed, gkey = pack_linear(full, modules[mod], qp[full], targets[full])
+                tensors.update({f"{full}.{k}": v for k, v in packed.items()})
+                keys[full] = list(gkey)
+            else:
+                tensors[f"{name}.{key}"] = t
+        write_file(self.directory / _layer_file("part", i), tensors, {"format": "pt"}, durable=True)
+        numel, nonzero = tensor_counts(layer)
+        linears = linear_summary(layer, name)
+        groups = {m: keys[m] for m in mine}  # config groups list modules in solving order
+        for m in mine:  # written: nothing later needs the scales, and they add up over a big model
+            del self.qparams[m]
+        return {"keys": list(tensors), "groups": groups, "numel": numel, "nonzero": nonzero, "linears": linears}
+
+    def part_entries(self) -> dict[str, dict]:
+        """Tensor name -> :class:`FileSlice` of every compressed layer, per layer name."""
+        out = {}
+        for i, rec in enumerate(self.layers):
+            slices = file_slices(self.directory / _layer_file("part", i))
+            out[rec["layer"]] = {k: slices[k] for k in rec["keys"]}
+        return out
+
+    # --- files ------------------------------------------------------------------------------
+
+    def _read(self, file: str) -> dict[str, torch.Tensor]:
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        path = self.directory / file
+        try:
+            return load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise OptcError(f"saved state {path} cannot be read ({exc}); delete {self.directory} to start over") from None
+
+    def _load_activations(self, i: int, batches: list) -> None:
+        saved = self._read(_layer_file("acts", i))
+        if len(saved) != len(batches):
+            raise OptcError(f"saved activations in {self.directory} hold {len(saved)} batches, this run has {len(batches)}")
+        for j, b in enumerate(batches):
+            t = saved[str(j)]
+            if t.shape != b.hidden.shape or t.dtype != b.hidden.dtype:
+                raise OptcError(f"saved activations in {self.directory} do not match this run's batches")
+            b.hidden = t.to(b.hidden.device)
+
+    def _save_qparams(self, i: int, mine: list[str]) -> dict:
+        tensors, schemes = {}, {}
+        for m in mine:
+            p = self.qparams[m]
+            tensors.update({f"{m}.scale": p.scale, f"{m}.zero": p.zero, f"{m}.g_idx": p.g_idx})
+            schemes[m] = p.scheme.model_dump()
+        if tensors:
+            write_file(self.directory / _layer_file("qparams", i), tensors, durable=True)
+        return schemes
+
+    def _restore_qparams(self, i: int, rec: dict) -> None:
+        schemes = rec.get("qparams") or {}
+        if not schemes:
+            return
+        saved = self._read(_layer_file("qparams", i))
+        for m, scheme in schemes.items():
+            self.qparams[m] = QuantParams(QuantScheme(**scheme), saved[f"{m}.scale"],
+                                          saved[f"{m}.zero"], saved[f"{m}.g_idx"])
+
+    def _write_json(self, path: Path, data: dict) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        with tmp.open("w") as fh:
+            json.dump(data, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+
+    def _write_progress(self) -> None:
+        extra_path = self.directory / "extra.json"
+        progress = {
+            "version": STATE_VERSION,
+            "fingerprint": self.fingerprint,
+            "stage": self.stage[0],
+            "stage_type": self.stage[1],
+            "threads": torch.get_num_threads(),
+            "layers": self.layers,
+            "extra": json.loads(extra_path.read_text()) if extra_path.is_file() else {},
+        }
+        self._write_json(self.directory / PROGRESS, progress)
+
+    def describe(self) -> str:
+        """Where the run stands, for the message printed on an interruption."""
+        if self.stage is None or not self.layers:
+            return "no layer finished yet"
+        return f"stage {self.stage[0]} ({self.stage[1]}): {len(self.layers)} layers done"
+
+    def has_progress(self) -> bool:
+        return (self.directory / PROGRESS).is_file()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+

@@ -1,0 +1,216 @@
+"""Models larger than memory: an empty (meta-device) model whose tensors are read from the
+checkpoint's safetensors shards only while a part of the model is needed.
+
+:class:`CheckpointSource` reads tensors by name from a checkpoint directory (single file or
+sharded, through ``safe_open``, which memory-maps the file), dequantizing pack-quantized
+Linears when the checkpoint is one optc wrote. :func:`materialize` fills a module's meta
+tensors from a source and :func:`release` turns them back into meta tensors, so at any time
+only the parts of the model in use occupy memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+
+from optc.errors import OptcError
+from optc.export.stream_writer import FileSlice, checkpoint_files, read_header
+
+log = logging.getLogger(__name__)
+
+
+def local_model_dir(source: str | None) -> Path:
+    """The local directory holding ``source``'s config and safetensors weights."""
+    from optc.models import _BUILTIN, DEFAULT_MODEL, builtin_model_dir
+
+    source = source or DEFAULT_MODEL
+    if source in _BUILTIN:
+        return builtin_model_dir(source)
+    path = Path(source).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise OptcError(
+        f"streaming reads a local Hugging Face directory with safetensors weights; {source!r} is not one "
+        "(download it first, or run without streaming)"
+    )
+
+
+class CheckpointSource:
+    """Tensors of a checkpoint directory by state-dict name, read only when asked for."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self.files = checkpoint_files(self.directory)
+        if not self.files:
+            raise OptcError(f"{self.directory} has no safetensors weights (streaming reads safetensors only)")
+        try:
+            config = json.loads((self.directory / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise OptcError(f"{self.directory}/config.json cannot be read ({exc})") from None
+        self.qc = config.get("quantization_config") or None
+        if self.qc is not None and (self.qc.get("quant_method") != "compressed-tensors"
+                                    or self.qc.get("format") != "pack-quantized"):
+            raise OptcError(
+                f"{self.directory}: streaming reads float or pack-quantized checkpoints, not "
+                f"{self.qc.get('quant_method')} {self.qc.get('format') or ''}".rstrip()
+            )
+        self._headers: dict[Path, dict] = {}
+
+    def _header(self, path: Path) -> dict:
+        if path not in self._headers:
+            try:
+                self._headers[path] = read_header(path)[0]
+            except (OSError, ValueError, KeyError) as exc:
+                raise OptcError(f"{path} is corrupt or truncated ({exc})") from None
+        return self._headers[path]
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files or f"{key.removesuffix('.weight')}.weight_packed" in self.files
+
+    def slice(self, key: str) -> FileSlice:
+        """Where a stored tensor's bytes are (for copying it without loading)."""
+        path = self.files[key]
+        h = self._header(path)[key]
+        return FileSlice(path, h.start, h.end - h.start, h.dtype, h.shape)
+
+    def spec(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        h = self._header(self.files[key])[key]
+        return h.dtype, h.shape
+
+    def _raw(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        by_file: dict[Path, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.files[k], []).append(k)
+        out: dict[str, torch.Tensor] = {}
+        for path, names in by_file.items():
+            try:
+                # safe_open maps the file; each tensor is copied out, and the mapping is
+                # dropped when the block ends, so no page of the file stays resident.
+                with safe_open(str(path), framework="pt") as fh:
+                    for k in names:
+                        out[k] = fh.get_tensor(k)
+            except (SafetensorError, OSError) as exc:
+                raise OptcError(f"{path} is corrupt or truncated ({exc})") from None
+        return out
+
+    def tensors(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Float tensors by state-dict name; a pack-quantized Linear's ``weight`` is dequantized."""
+        from optc.export.compressed_tensors import dequantize_packed
+
+        keys = list(keys)
+        missing = [k for k in keys if k not in self]
+        if missing:
+            raise OptcError(f"{self.directory} lacks tensor {missing[0]} ({len(missing)} missing)")
+        plain = [k for k in keys if k in self.files]
+        packed = [k.removesuffix(".weight") for k in keys if k not in self.files]
+        parts = [f"{m}.{leaf}" for m in packed for leaf in
+                 ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+                 if f"{m}.{leaf}" in self.files]
+        raw = self._raw(plain + parts)
+        out = {k: raw.pop(k) for k in plain}
+        for m in packed:
+            out[f"{m}.weight"], _ = dequantize_packed(m, raw, self.qc)
+        return out
+
+
+def meta_model(directory: Path, dtype: torch.dtype, trust_remote_code: bool = False) -> nn.Module:
+    """The model of ``directory`` with every parameter on the meta device (no weights read).
+
+    Buffers computed at construction (rotary frequencies) stay real: accelerate's
+    ``init_empty_weights`` moves only parameters to the meta device.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    try:
+        config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise OptcError(f"cannot read the config of {directory}: {str(exc).splitlines()[0]}") from None
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config  # optc's reader dequantizes; the model itself is float
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    except OSError:
+        pass  # no generation_config.json: keep the one derived from the config
+    model.tie_weights()  # init_empty_weights leaves tied weights as separate meta tensors
+    model.eval()
+    return model
+
+
+def materialize(module: nn.Module, source: CheckpointSource, prefix: str = "", exclude: str | None = None) -> None:
+    """Read ``module``'s meta parameters and persistent buffers (named ``prefix + key`` in the
+    source) into memory, in the dtype the module declares. Submodules under ``exclude`` and
+    tensors already in memory are left alone; tied weights are tied again afterwards."""
+    from optc.export.shards import tied_keys
+
+    wanted: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    tied = tied_keys(module) if hasattr(module, "config") else set()
+    for key, t in module.state_dict(keep_vars=True).items():
+        if not t.is_meta or (exclude and key.startswith(exclude + ".")) or id(t) in seen or key in tied:
+            continue
+        seen.add(id(t))  # a tied tensor is read once, under its first name
+        wanted[key] = t
+    if not wanted:
+        return
+    missing = [k for k in wanted if prefix + k not in source]
+    if missing:
+        raise OptcError(f"{source.directory} lacks tensor {prefix + missing[0]}")
+    loaded = source.tensors(prefix + k for k in wanted)
+    state = {}
+    for key, t in wanted.items():
+        x = loaded.pop(prefix + key)
+        if tuple(x.shape) != tuple(t.shape):
+            raise OptcError(f"{source.directory}: {prefix + key} has shape {tuple(x.shape)}, the config says {tuple(t.shape)}")
+        state[key] = x.to(t.dtype)
+    module.load_state_dict(state, strict=False, assign=True)
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
+
+
+def release(module: nn.Module, exclude: str | None = None) -> None:
+    """Replace ``module``'s parameters and persistent buffers by meta tensors (freeing them)."""
+    for name, sub in module.named_modules():
+        if exclude and (name == exclude or name.startswith(exclude + ".")):
+            continue
+        for key, p in list(sub._parameters.items()):
+            if p is not None and not p.is_meta:
+                sub._parameters[key] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for key, b in list(sub._buffers.items()):
+            if b is not None and not b.is_meta and key not in sub._non_persistent_buffers_set:
+                sub._buffers[key] = torch.empty_like(b, device="meta")
+
+
+def is_materialized(module: nn.Module) -> bool:
+    return not any(p.is_meta for p in module.parameters())
+
+
+def tensor_counts(module: nn.Module, exclude: str | None = None) -> tuple[int, int]:
+    """(elements, non-zeros) of ``module``'s parameters outside ``exclude``, tied ones once."""
+    params: dict[int, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        if not (exclude and name.startswith(exclude + ".")):
+            params.setdefault(id(p), p)
+    return (sum(p.numel() for p in params.values()),
+            sum(int(torch.count_nonzero(p)) for p in params.values()))
+
+
+def linear_summary(layer: nn.Module, name: str) -> dict[str, dict]:
+    """Shape, zero count and sparsity of each Linear of a decoder layer (the report's rows)."""
+    from optc.calibrate.modules import is_linear, weight_2d
+
+    out = {}
+    for n, m in layer.named_modules():
+        if is_linear(m):
+            w = weight_2d(m)
+            out[f"{name}.{n}"] = {"shape": list(w.shape), "zeros": int((w == 0).sum()),
+                                  "sparsity": round(float((w == 0).float().mean()), 6)}
+    return out

@@ -1,0 +1,191 @@
+"""safetensors files written one tensor at a time, so nothing has to hold a whole shard.
+
+``safetensors.torch.save_file`` needs every tensor of a file in memory at once (and copies
+each to bytes). Streaming compression writes checkpoints far larger than memory, so this
+writer takes *entries* whose bytes come from a tensor, from a byte range of another
+safetensors file (copied with plain reads, never memory-mapped, so it does not count as
+resident memory), or from a function called just before the tensor is written.
+
+The layout is byte for byte what safetensors 0.4-0.8 writes (checked against ``save_file`` in
+the tests): tensors sorted by dtype (safetensors' ``Dtype`` enum, descending) then name, a
+compact JSON header with ``__metadata__`` first, padded with spaces to a multiple of 8 bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from optc.export.shards import INDEX_FILE, SINGLE_FILE, plan_shards, shard_file_names, write_index
+
+# safetensors' Dtype enum in declaration order: files are sorted by it, descending.
+_ENUM_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0",
+               "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "U64", "I64")
+DTYPE_CODES = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+    torch.uint16: "U16", torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32",
+    torch.uint32: "U32", torch.float32: "F32", torch.float64: "F64", torch.uint64: "U64",
+    torch.int64: "I64", torch.float8_e5m2: "F8_E5M2", torch.float8_e4m3fn: "F8_E4M3",
+}
+TORCH_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+_COPY_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class FileSlice:
+    """A tensor's bytes inside an existing safetensors file."""
+
+    path: Path
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Lazy:
+    """A tensor produced only when it is written (loaded, converted or generated)."""
+
+    make: Callable[[], torch.Tensor]
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+Entry = torch.Tensor | FileSlice | Lazy
+
+
+def entry_nbytes(e: Entry) -> int:
+    if isinstance(e, torch.Tensor):
+        return e.numel() * e.element_size()
+    return e.nbytes
+
+
+def _dtype_shape(e: Entry) -> tuple[torch.dtype, tuple[int, ...]]:
+    return e.dtype, tuple(e.shape)
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offsets in the file
+    end: int
+
+
+def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
+    """The tensors of a safetensors file (dtype, shape, absolute byte range) and its metadata."""
+    with Path(path).open("rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        header = json.loads(fh.read(n))
+    meta = header.pop("__metadata__", None) or {}
+    base = 8 + n
+    out = {
+        name: HeaderEntry(TORCH_DTYPES[h["dtype"]], tuple(h["shape"]),
+                          base + h["data_offsets"][0], base + h["data_offsets"][1])
+        for name, h in header.items()
+    }
+    return out, meta
+
+
+def file_slices(path: Path) -> dict[str, FileSlice]:
+    """Every tensor of a safetensors file as a :class:`FileSlice` (nothing is read but the header)."""
+    header, _ = read_header(path)
+    return {k: FileSlice(Path(path), h.start, h.end - h.start, h.dtype, h.shape) for k, h in header.items()}
+
+
+def _write_bytes(fh, e: Entry) -> None:
+    if isinstance(e, FileSlice):
+        with e.path.open("rb") as src:
+            src.seek(e.offset)
+            left = e.nbytes
+            while left:
+                chunk = src.read(min(_COPY_CHUNK, left))
+                if not chunk:
+                    raise OSError(f"{e.path} ended before byte {e.offset + e.nbytes}")
+                fh.write(chunk)
+                left -= len(chunk)
+        return
+    t = e.make() if isinstance(e, Lazy) else e
+    if (t.dtype, tuple(t.shape)) != _dtype_shape(e):
+        raise ValueError(f"tensor is {t.dtype} {tuple(t.shape)}, declared {_dtype_shape(e)}")
+    t = t.detach().to("cpu").contiguous()
+    if t.numel():
+        # A byte view of the tensor's own memory: no copy, whatever the dtype.
+        fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+
+
+def write_file(
+    path: Path, entries: dict[str, Entry], metadata: dict[str, str] | None = None, *, durable: bool = False
+) -> None:
+    """Write one safetensors file from ``entries``; ``durable`` writes beside it, fsyncs and renames
+    (resume state must survive a crash of the machine, not just of the process)."""
+    path = Path(path)
+    order = sorted(entries, key=lambda k: (-_ENUM_ORDER.index(DTYPE_CODES[entries[k].dtype]), k))
+    header: dict = {}
+    if metadata is not None:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name in order:
+        dtype, shape = _dtype_shape(entries[name])
+        n = entry_nbytes(entries[name])
+        header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    target = path.with_name(f".{path.name}.tmp") if durable else path
+    with target.open("wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for name in order:
+            _write_bytes(fh, entries[name])
+        if durable:
+            fh.flush()
+            os.fsync(fh.fileno())
+    if durable:
+        os.replace(target, path)
+
+
+def write_sharded(
+    entries: dict[str, Entry], directory: Path, max_shard_bytes: int, metadata: dict[str, str] | None = None
+) -> list[Path]:
+    """Like :func:`optc.export.shards.write_safetensors` (same shard plan, names, index and
+    bytes), one tensor in memory at a time."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = {"format": "pt", **{str(k): str(v) for k, v in (metadata or {}).items()}}
+    shards = plan_shards({k: entry_nbytes(e) for k, e in entries.items()}, max_shard_bytes)
+    names = shard_file_names(len(shards))
+    paths, weight_map = [], {}
+    for file_name, keys in zip(names, shards):
+        write_file(directory / file_name, {k: entries[k] for k in keys}, meta)
+        paths.append(directory / file_name)
+        weight_map.update(dict.fromkeys(keys, file_name))
+    if len(shards) > 1:
+        write_index(directory, weight_map, sum(entry_nbytes(e) for e in entries.values()))
+    return paths
+
+
+def checkpoint_files(directory: Path) -> dict[str, Path]:
+    """Tensor name -> file of a single-file or sharded safetensors checkpoint directory."""
+    directory = Path(directory)
+    index = directory / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {k: directory / f for k, f in weight_map.items()}
+    single = directory / SINGLE_FILE
+    if not single.is_file():
+        return {}
+    return dict.fromkeys(read_header(single)[0], single)

@@ -1,0 +1,387 @@
+"""Running a recipe on a model larger than memory, and the resume state every run keeps.
+
+Streaming (``calibration.streaming``): the model is built on the meta device (no weights), the
+quantization stage runs layer by layer with each decoder layer read from the input's
+safetensors shards only while it is calibrated (:class:`optc.calibrate.layerstore.LayerStore`),
+and each compressed layer goes to disk at once. The checkpoint is then assembled from those
+parts and the input's other tensors one tensor at a time (:mod:`optc.export.stream_writer`),
+and both models are evaluated layer-major (:mod:`optc.evaluate.streaming`). The checkpoint is
+byte for byte the one the in-memory path writes.
+
+Supported: one ``rtn``, ``gptq`` or ``awq`` stage, exported as compressed-tensors
+``pack-quantized``; other recipes run in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+import optc
+from optc.calibrate.layerstore import LayerStore, state_dir_for
+from optc.calibrate.modules import find_decoder_layers
+from optc.calibrate.streaming import CheckpointSource, local_model_dir, meta_model
+from optc.data import check_disjoint
+from optc.errors import Interrupted, OptcError
+from optc.evaluate.perplexity import evaluation_token_cache
+from optc.evaluate.report import new_report, stage_layer_info, write_report
+from optc.evaluate.streaming import streamed_perplexity
+from optc.export.checkpoint import check_output, directory_bytes, staged_output
+from optc.export.compressed_tensors import write_pack_quantized_config
+from optc.export.shards import model_state_dict
+from optc.export.stream_writer import Lazy, write_sharded
+from optc.models import DEFAULT_MODEL, DTYPES
+from optc.progress import NullProgress, Progress
+from optc.recipe import Recipe
+from optc.stages import STAGES, Workspace
+
+log = logging.getLogger(__name__)
+
+STREAM_STAGES = ("rtn", "gptq", "awq")
+# "auto" streams when the weights would take more than this share of the available memory.
+_AUTO_SHARE = 0.5
+
+
+def streaming_problem(recipe: Recipe) -> str | None:
+    """Why ``recipe`` cannot run streaming, or None."""
+    types = [s.type for s in recipe.stages]
+    if len(types) != 1 or types[0] not in STREAM_STAGES:
+        return (f"streaming runs exactly one {', '.join(STREAM_STAGES)} stage; this recipe has "
+                f"{' -> '.join(types) or 'no stages'} (run it without streaming)")
+    if recipe.export.format != "compressed-tensors":
+        return (f"streaming writes compressed-tensors (pack-quantized), not {recipe.export.format}; "
+                "convert the result with optc export")
+    return None
+
+
+def _weights_bytes(model_dir: Path, dtype: torch.dtype) -> int:
+    source = CheckpointSource(model_dir)
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(size * _numel(source.spec(k)[1]) for k in source.files)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def wants_streaming(recipe: Recipe) -> bool:
+    """Whether to stream: as the recipe says, or (``auto``) when the model would not fit."""
+    mode = recipe.calibration.streaming
+    if mode is False:
+        return False
+    problem = streaming_problem(recipe)
+    if mode is True:
+        if problem:
+            raise OptcError(f"calibration.streaming: {problem}")
+        return True
+    try:
+        model_dir = local_model_dir(recipe.model)
+        need = _weights_bytes(model_dir, DTYPES[recipe.dtype])
+    except OptcError:
+        return False  # not a local safetensors model: only the in-memory path can load it
+    import psutil
+
+    available = psutil.virtual_memory().available
+    if need <= _AUTO_SHARE * available:
+        return False
+    if problem:
+        log.warning("the model's weights (%.1f GiB) exceed half of the available memory (%.1f GiB), "
+                    "but %s", need / 2**30, available / 2**30, problem)
+        return False
+    log.info("streaming: the weights (%.1f GiB) exceed half of the available memory (%.1f GiB)",
+             need / 2**30, available / 2**30)
+    return True
+
+
+def run_fingerprint(recipe: Recipe, model_path: Path | None, device: str, streaming: bool) -> dict:
+    """What a run's saved layers depend on: a saved state is resumed only by an equal fingerprint."""
+    files = {}
+    if model_path is not None and model_path.exists():
+        paths = sorted(model_path.glob("*.safetensors")) if model_path.is_dir() else [model_path]
+        files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in paths}
+    calibration = recipe.calibration.model_dump(mode="json")
+    calibration.pop("streaming")  # "auto" and true resolve to the same run; `streaming` below
+    return {
+        "optc": optc.__version__, "torch": torch.__version__, "model": recipe.model or DEFAULT_MODEL,
+        "model_files": files, "dtype": recipe.dtype, "calibration": calibration,
+        "stages": [s.model_dump(mode="json") for s in recipe.stages], "device": device,
+        "streaming": streaming,
+    }
+
+
+def open_store(recipe: Recipe, output: Path | None, model_path: Path | None, device: str,
+               resume: bool, qparams: dict, source: CheckpointSource | None = None) -> LayerStore | None:
+    """The resume state of a run writing ``output`` (none without an output: nothing to resume into)."""
+    streaming = source is not None
+    if output is None:
+        if not streaming:
+            return None
+        directory = Path(tempfile.mkdtemp(prefix="optc-stream-"))
+    else:
+        directory = state_dir_for(output)
+    fingerprint = run_fingerprint(recipe, model_path, device, streaming)
+    return LayerStore(directory, fingerprint, qparams, resume=resume and output is not None, source=source)
+
+
+@contextmanager
+def keeping_progress(store: LayerStore | None, resumable: bool = True) -> Iterator[None]:
+    """Ctrl-C keeps the saved layers and says where they are; a user error removes them (bad
+    input writes nothing); any other failure (a crash, a full disk) keeps them for ``--resume``."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if store is not None and resumable and store.has_progress():
+            raise Interrupted(store.directory, store.describe()) from None
+        if store is not None:
+            store.remove()
+        raise
+    except OptcError:
+        if store is not None:
+            store.remove()
+        raise
+    except Exception:
+        if store is not None and not resumable:
+            store.remove()
+        elif store is not None and store.has_progress():
+            log.error("the run failed; its finished layers are saved in %s (--resume continues)", store.directory)
+        raise
+
+
+def baseline_perplexity(store: LayerStore | None, cfg, compute) -> dict:
+    """The baseline's perplexity, or the one the interrupted run measured with the same protocol."""
+    key = cfg.model_dump(mode="json")
+    saved = store.extra("perplexity_baseline") if store is not None else None
+    if saved is not None and saved.get("config") == key:
+        log.info("baseline perplexity from the interrupted run")
+        return saved["value"]
+    value = compute()
+    if store is not None:
+        store.save_extra("perplexity_baseline", {"config": key, "value": value})
+    return value
+
+
+def _tokenizer(model_dir: Path, trust_remote_code: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise OptcError(f"cannot load the tokenizer of {model_dir}: {str(exc).splitlines()[0]}") from None
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _streamed_eval(model, source: CheckpointSource, tokens, cfg, progress: Progress, stats: dict | None = None) -> dict:
+    return streamed_perplexity(model, source, tokens, cfg.seqlen, cfg.windows, cfg.stride, cfg.batch_size,
+                               progress, stats=stats).to_dict()
+
+
+def assemble_checkpoint(model: torch.nn.Module, source: CheckpointSource, store: LayerStore,
+                        directory: Path, max_shard_bytes: int) -> list[Path]:
+    """The pack-quantized checkpoint from the compressed layers on disk and the input's other
+    tensors, in the in-memory writer's order, shard plan and bytes, one tensor at a time."""
+    prefix, _ = find_decoder_layers(model)
+    parts = store.part_entries()
+    entries: dict = {}
+    for key, t in model_state_dict(model).items():
+        if key.startswith(prefix + "."):
+            layer = f"{prefix}.{key[len(prefix) + 1:].split('.')[0]}"
+            entries.update(parts.pop(layer, {}))
+            continue
+        if key in source.files:
+            dtype, shape = source.spec(key)
+            if dtype == t.dtype:
+                entries[key] = source.slice(key)  # copied as stored, never loaded
+            else:
+                entries[key] = Lazy(lambda k=key, d=t.dtype: source.tensors([k])[k].to(d), t.dtype, shape)
+        elif not t.is_meta:
+            entries[key] = t  # a buffer the model computes itself
+        else:
+            raise OptcError(f"{source.directory} lacks tensor {key}")
+    groups: dict[tuple, list[str]] = {}
+    for rec in store.layers:
+        for name, gkey in rec["groups"].items():
+            groups.setdefault(tuple(gkey), []).append(name)
+    if not groups:
+        raise OptcError("no quantized modules to export as pack-quantized")
+    files = write_sharded(entries, directory, max_shard_bytes)
+    write_pack_quantized_config(model, groups, directory)
+    return files
+
+
+def _layer_rows(store: LayerStore, stages: list[dict]) -> tuple[list[dict], tuple[int, int, int, int]]:
+    """Per-Linear report rows and (parameters, non-zeros, Linear weights, their zeros)."""
+    schemes, errors = stage_layer_info(stages)
+    rows, numel, nonzero, lin_numel, lin_zeros = [], 0, 0, 0, 0
+    outer = store.outer_counts or (0, 0)
+    numel, nonzero = outer
+    for rec in store.layers:
+        numel, nonzero = numel + rec["numel"], nonzero + rec["nonzero"]
+        for name, lin in rec["linears"].items():
+            err = errors.get(name)
+            rows.append({"name": name, "shape": tuple(lin["shape"]), "scheme": schemes.get(name),
+                         "rel_error": None if err is None else round(err, 6), "sparsity": lin["sparsity"]})
+            lin_numel += _numel(tuple(lin["shape"]))
+            lin_zeros += lin["zeros"]
+    return rows, (numel, nonzero, lin_numel, lin_zeros)
+
+
+def run_streaming(
+    recipe: Recipe,
+    output: Path | None,
+    *,
+    overwrite: bool = False,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    progress: Progress | None = None,
+    gate_list: list | None = None,
+    resume: bool = False,
+) -> dict:
+    """:func:`optc.pipeline.run_recipe` for a model read one layer at a time."""
+    from optc.evaluate.gates import check_gates
+    from optc.evaluate.size import size_metrics
+    from optc.pipeline import _add_eval_details, _stage_summary, parse_size
+
+    progress = progress or NullProgress()
+    problem = streaming_problem(recipe)
+    if problem:
+        raise OptcError(f"calibration.streaming: {problem}")
+    t_start = time.perf_counter()
+    torch.manual_seed(recipe.calibration.seed)
+    if recipe.evaluation is not None:
+        check_disjoint(recipe.calibration.dataset, recipe.evaluation.dataset)
+    model_dir = local_model_dir(recipe.model)
+    if output is not None:
+        check_output(output, overwrite, protect=model_dir)
+    source = CheckpointSource(model_dir)
+    if source.qc is not None:
+        raise OptcError(f"streaming compresses a float checkpoint; {model_dir} is already quantized")
+    model = meta_model(model_dir, DTYPES[recipe.dtype], trust_remote_code)
+    tokenizer = _tokenizer(model_dir, trust_remote_code)
+    report = new_report(recipe.model or DEFAULT_MODEL, recipe.model_dump(mode="json"))
+    report["timings"]["load"] = round(time.perf_counter() - t_start, 3)
+    ws = Workspace(model, tokenizer, recipe.calibration, device, progress)
+    store = open_store(recipe, output, model_dir, device, resume, ws.qparams, source)
+    ws.store = store
+    with keeping_progress(store, resumable=output is not None):
+        tokens = None
+        if recipe.evaluation is not None:
+            tokens = evaluation_token_cache(tokenizer, recipe.evaluation.dataset)
+            if recipe.evaluation.baseline:
+                report["metrics"]["perplexity_baseline"] = baseline_perplexity(
+                    store, recipe.evaluation, lambda: _streamed_eval(model, source, tokens, recipe.evaluation, progress))
+        stage = recipe.stages[0]
+        _, fn = STAGES[stage.type]
+        store.begin_stage(0, stage.type)
+        t0 = time.perf_counter()
+        log.info("stage 0: %s (streaming)", stage.type)
+        stats = fn(ws, stage)
+        report["stages"].append({"type": stage.type, "seconds": round(time.perf_counter() - t0, 2),
+                                 "summary": _stage_summary(stats), "stats": stats})
+        rows, counts = _layer_rows(store, report["stages"])
+        report["metrics"].update(parameters=counts[0], nonzero=counts[1])
+        with _checkpoint_dir(output, overwrite, model_dir) as tmp:
+            files = assemble_checkpoint(model, source, store, tmp, parse_size(recipe.export.max_shard_size))
+            tokenizer.save_pretrained(tmp)
+            (tmp / "recipe.yaml").write_text(recipe.to_yaml())
+            if recipe.evaluation is not None:
+                report["metrics"]["perplexity_compressed"] = _streamed_eval(
+                    model, CheckpointSource(tmp), tokens, recipe.evaluation, progress)
+            _add_eval_details(report, model, layers=rows)
+            if output is not None:
+                report["checkpoint"] = {"path": str(output), "format": "compressed-tensors/pack-quantized",
+                                        "bytes": directory_bytes(tmp)}
+                report["metrics"]["size"] = size_metrics(model, tmp, counts=counts)
+            report["gates"] = [g.to_dict() for g in check_gates(gate_list or [], report)]
+            if output is not None:
+                write_report(report, tmp)
+            log.info("wrote %d weight file(s)", len(files))
+    store.remove()
+    return report
+
+
+@contextmanager
+def _checkpoint_dir(output: Path | None, overwrite: bool, protect: Path) -> Iterator[Path]:
+    """The staged output directory, or a throwaway one when the run writes nothing."""
+    if output is not None:
+        with staged_output(output, overwrite, protect=protect) as tmp:
+            yield tmp
+    else:
+        with tempfile.TemporaryDirectory(prefix="optc-stream-out-") as tmp:
+            yield Path(tmp)
+
+
+def _schemes_of(source: CheckpointSource) -> dict[str, str]:
+    """Module name -> scheme label, from a pack-quantized checkpoint's config groups."""
+    from optc.compress.quant import QuantScheme
+
+    out: dict[str, str] = {}
+    for group in ((source.qc or {}).get("config_groups") or {}).values():
+        w = group.get("weights") or {}
+        label = QuantScheme(bits=w.get("num_bits", 4), symmetric=w.get("symmetric", True),
+                            group_size=w.get("group_size") if w.get("strategy") == "group" else None).label()
+        out.update({t: label for t in group.get("targets", []) if not t.startswith("re:")})
+    return out
+
+
+def evaluate_streaming(source_name: str | None, baseline: str | None, opts, report: dict,
+                       progress: Progress | None = None) -> dict:
+    """``optc eval --streaming``: perplexity (and the paired change against ``baseline``) and
+    size, reading one decoder layer at a time; KL, latency and tasks need the model in memory."""
+    from optc.data import load_text
+    from optc.evaluate.gates import check_gates, require_measurable
+    from optc.evaluate.perplexity import paired_difference
+    from optc.evaluate.size import size_metrics
+    from optc.evaluate.suite import check_same_tokenizer, timed
+
+    progress = progress or NullProgress()
+    if opts.latency or opts.tasks:
+        raise OptcError("--streaming measures perplexity and size; --latency and --tasks need the model in memory")
+    require_measurable(opts.gates, {"eval", "size"} | ({"baseline"} if baseline is not None else set()))
+    models = {"model": source_name} | ({"baseline": baseline} if baseline is not None else {})
+    loaded = {}
+    for role, name in models.items():
+        model_dir = local_model_dir(name)
+        loaded[role] = (model_dir, CheckpointSource(model_dir), meta_model(model_dir, torch.float32),
+                        _tokenizer(model_dir, False))
+    timings, metrics = report.setdefault("timings", {}), report["metrics"]
+    tokenizer = loaded["model"][3]
+    with timed(timings, "tokenize"):
+        tokens = evaluation_token_cache(tokenizer, opts.dataset, opts.cache)
+    if baseline is not None:
+        check_same_tokenizer(tokenizer, loaded["baseline"][3], load_text(opts.dataset, "evaluation")[:4000],
+                             (source_name or DEFAULT_MODEL, baseline))
+    results, stats = {}, {}
+    with timed(timings, "perplexity"):
+        for role, (_, src, model, _) in loaded.items():
+            results[role] = streamed_perplexity(model, src, tokens, opts.seqlen, opts.windows, opts.stride,
+                                                opts.batch_size, progress, stats=stats if role == "model" else None)
+    if baseline is None:
+        metrics["perplexity_model"] = results["model"].to_dict()
+    else:
+        metrics["perplexity_baseline"] = results["baseline"].to_dict()
+        metrics["perplexity_compressed"] = results["model"].to_dict()
+        metrics["perplexity_change"] = paired_difference(results["baseline"], results["model"])
+    model_dir, src, model, _ = loaded["model"]
+    linears = stats.get("linears", {})
+    counts = (stats["numel"], stats["nonzero"], sum(_numel(tuple(v["shape"])) for v in linears.values()),
+              sum(v["zeros"] for v in linears.values()))
+    size = size_metrics(model, model_dir, counts=counts)
+    metrics["size"] = size
+    metrics["parameters"], metrics["nonzero"] = size["parameters"], size["nonzero"]
+    metrics["bytes_on_disk"] = size["bytes_on_disk"]
+    schemes = _schemes_of(src)
+    report["layers"] = [{"name": n, "shape": tuple(v["shape"]), "scheme": schemes.get(n), "rel_error": None,
+                         "sparsity": v["sparsity"]} for n, v in linears.items()]
+    report["gates"] = [g.to_dict() for g in check_gates(opts.gates, report)]
+    return report
