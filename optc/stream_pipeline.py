@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 import optc
+from optc.calibrate import distributed
 from optc.calibrate.layerstore import LayerStore, state_dir_for
 from optc.calibrate.modules import find_decoder_layers
 from optc.calibrate.streaming import CheckpointSource, local_model_dir, meta_model
@@ -122,6 +123,12 @@ def open_store(recipe: Recipe, output: Path | None, model_path: Path | None, dev
                resume: bool, qparams: dict, source: CheckpointSource | None = None) -> LayerStore | None:
     """The resume state of a run writing ``output`` (none without an output: nothing to resume into)."""
     streaming = source is not None
+    if distributed.active() and not streaming:
+        # Every rank would save its own layers into one directory; under torchrun a run
+        # restarts from the beginning (--resume is refused).
+        if resume:
+            raise OptcError("--resume is not available for a distributed (torchrun) run")
+        return None
     if output is None:
         if not streaming:
             return None
