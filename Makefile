@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 export OPTC_CACHE ?= $(HOME)/.cache/optc
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-slow bench clean test-interop
+.PHONY: install demo test test-slow bench bench-scale clean test-interop
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ test-slow: install
 
 bench: install
 	$(PY) bench/bench.py
+
+# GPTQ W4 on a random 1.1B Llama streamed from disk: peak RSS and wall time (README "Models larger than memory").
+bench-scale: install
+	$(PY) bench/bench_scale.py
 
 # Foreign runtimes load optc's checkpoints (not in CI): vLLM on CPU and transformers+gptqmodel,
 # each in its own venv (their torch builds differ from ours). See README "Checkpoint formats".

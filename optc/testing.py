@@ -64,3 +64,44 @@ def tiny_tokens(n: int = 8, seqlen: int = 32, seed: int = 0) -> torch.Tensor:
     start = torch.randint(0, VOCAB, (n, 1), generator=g)
     steps = torch.randint(1, 4, (n, seqlen), generator=g).cumsum(dim=1)
     return (start + steps) % VOCAB
+
+
+def write_random_model(
+    directory, config: PretrainedConfig, tokenizer=None, *, seed: int = 0, std: float = 0.02,
+    dtype: torch.dtype = torch.float32, max_shard_bytes: int = 2 * 1024**3,
+):
+    """A randomly initialised model of ``config`` saved as a Hugging Face safetensors directory,
+    generated and written one tensor at a time, so a model far larger than memory can be made.
+
+    Matrices are N(0, std^2), norm weights 1, biases 0; each tensor has its own seeded generator,
+    so the files depend only on ``config`` and ``seed``.
+    """
+    from pathlib import Path
+
+    from accelerate import init_empty_weights
+
+    from optc.export.shards import model_state_dict
+    from optc.export.stream_writer import Lazy, write_sharded
+
+    directory = Path(directory)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.tie_weights()
+
+    def make(i: int, key: str, shape: tuple[int, ...]):
+        def tensor() -> torch.Tensor:
+            if len(shape) == 1:
+                return (torch.ones if key.endswith(".weight") else torch.zeros)(shape, dtype=dtype)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + i)
+            return (torch.randn(shape, generator=g) * std).to(dtype)
+        return tensor
+
+    entries = {}
+    for i, (key, t) in enumerate(model_state_dict(model).items()):
+        entries[key] = t if not t.is_meta else Lazy(make(i, key, tuple(t.shape)), dtype, tuple(t.shape))
+    write_sharded(entries, directory, max_shard_bytes)
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(directory)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
+    return directory

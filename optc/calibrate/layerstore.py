@@ -71,7 +71,7 @@ def _first_difference(a: dict, b: dict, path: str = "") -> str:
             if found:
                 return found
         elif x != y:
-            return f"{path}{key} ({x!r} then, {y!r} now)"
+            return f"{path}{key} was {x!r}, is {y!r} now"
     return ""
 
 
@@ -130,7 +130,7 @@ class LayerStore:
             diff = _first_difference(saved.get("fingerprint") or {}, self.fingerprint) or "state version"
             raise OptcError(
                 f"--resume: the saved progress in {self.directory} belongs to a different run "
-                f"({diff} differs); run the original command again, or delete that directory to start over"
+                f"({diff}); run the original command again, or delete that directory to start over"
             )
         if saved.get("threads") != torch.get_num_threads():
             log.warning("resuming with %d threads where the saved layers used %s: float results may "

@@ -10,6 +10,7 @@ only the parts of the model in use occupy memory.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 from collections.abc import Iterable
@@ -177,7 +178,8 @@ def materialize(module: nn.Module, source: CheckpointSource, prefix: str = "", e
 
 
 def release(module: nn.Module, exclude: str | None = None) -> None:
-    """Replace ``module``'s parameters and persistent buffers by meta tensors (freeing them)."""
+    """Replace ``module``'s parameters and persistent buffers by meta tensors (freeing them),
+    and hand the freed memory back to the operating system."""
     for name, sub in module.named_modules():
         if exclude and (name == exclude or name.startswith(exclude + ".")):
             continue
@@ -187,6 +189,23 @@ def release(module: nn.Module, exclude: str | None = None) -> None:
         for key, b in list(sub._buffers.items()):
             if b is not None and not b.is_meta and key not in sub._non_persistent_buffers_set:
                 sub._buffers[key] = torch.empty_like(b, device="meta")
+    trim_memory()
+
+
+def trim_memory() -> None:
+    """Return freed heap memory to the OS (glibc keeps it otherwise, and a layer-by-layer run
+    would show every layer's temporaries as resident memory). No-op off glibc."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 def is_materialized(module: nn.Module) -> bool:

@@ -53,7 +53,7 @@ def _inverse_hessian_factor(H: torch.Tensor, dampening: float, name: str) -> tor
         Hd = H.clone()
         Hd[diag, diag] += damp * mean_diag
         L, info = torch.linalg.cholesky_ex(Hd)
-        del Hd  # K x K each: for a 1536-wide input, every live copy is 9 MB
+        del Hd  # K x K matrices: at most two alive at once (K = 5632 is 127 MB each)
         if info == 0:
             Hinv = torch.cholesky_inverse(L)
             del L
@@ -125,7 +125,8 @@ def gptq_quantize(
     dead = torch.diag(H) == 0
     H[dead, dead] = 1
     Wf[:, dead] = 0
-    H_orig = H.clone() if refit else None
+    # The refit needs H as it is now; it is recovered exactly from the permuted copy below
+    # (a permutation loses nothing), so only one K x K copy is kept through the sweep.
     # Column importance for the grid search: the input energy diag(H), in processing order
     # once permuted below (the activation-aware objective of llama.cpp's imatrix).
     imp = torch.diag(H).clone() if weighted_grid else None
@@ -155,7 +156,7 @@ def gptq_quantize(
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else None
     if perm is not None:
         Wf = Wf[:, perm]
-        H = H[perm][:, perm]
+        H = H[perm[:, None], perm[None, :]]
         if imp is not None:
             imp = imp[perm]
         if keep is not None:
@@ -174,7 +175,8 @@ def gptq_quantize(
     # of the upper Cholesky factor of H^{-1}, which is numerically far more robust than
     # repeatedly applying the OBS rank-1 downdate.
     Hinv = _inverse_hessian_factor(H, dampening, name)
-    del H  # the sweep needs only the factor (and H_orig, for the refit)
+    if not refit:
+        del H
 
     # Processing positions of each group's columns (for choosing grids on first touch).
     col_group_t = torch.tensor(col_group, device=dev)
@@ -235,6 +237,7 @@ def gptq_quantize(
         # The OBS error (w - q)^2 / (2 [H_F^{-1}]_qq), with [H_F^{-1}]_qq = d^2 (reference Losses).
         loss_acc += Err1.pow(2).sum() / 2
         Wf[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    del Hinv, Hinv1, d, Wf  # the refit needs none of them (Hinv1 and d are views of Hinv)
 
     if perm is None:
         g_idx = default_g_idx(k, scheme).to(dev)
@@ -249,6 +252,8 @@ def gptq_quantize(
 
     params = QuantParams(scheme, scale, zero, g_idx)
     if refit:
+        H_orig = H if perm is None else H[invperm[:, None], invperm[None, :]]
+        del H
         Q, params = refit_scales(W.detach().float(), H_orig, Q, params)
     seconds = time.perf_counter() - t0
     loss = float(loss_acc)
