@@ -43,7 +43,7 @@ from optc.compress.lora import (
     topk_logits,
 )
 from optc.compress.masks import nm_violations
-from optc.compress.quant import QuantParams
+from optc.compress.quant import QuantParams, fake_quantize
 from optc.errors import OptcError
 from optc.progress import NullProgress, Progress
 
@@ -82,8 +82,11 @@ class LoraLinear(nn.Module):
         self.qparams = qparams
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
+    latent: torch.Tensor | None = None  # float weights whose rounding is the base (see float_latents)
+
     def effective_weight(self) -> torch.Tensor:
-        return merged_weight(weight_2d(self.base), self.lora_A, self.lora_B, self.scaling, self.mask, self.qparams)
+        w0 = weight_2d(self.base) if self.latent is None else self.latent
+        return merged_weight(w0, self.lora_A, self.lora_B, self.scaling, self.mask, self.qparams)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w0, bias = weight_2d(self.base), self.base.bias
@@ -125,12 +128,38 @@ def check_recoverable(model: nn.Module, cfg: RecoverStage) -> dict[str, nn.Modul
     return linears
 
 
+def float_latents(
+    teacher: nn.Module | None, linears: dict[str, nn.Module], qparams: dict[str, QuantParams]
+) -> dict[str, torch.Tensor]:
+    """The teacher's float weights of the quantized Linears whose rounding onto their grid
+    is exactly the quantized weight (RTN; not GPTQ, which moved the codes).
+
+    Training ``Q(W + dW)`` from the quantized ``W`` itself starts every weight at the centre of
+    its rounding interval, half a step from any other code, so a small update changes nothing;
+    from the float ``W`` the weights that were nearly rounded the other way flip first."""
+    if teacher is None:
+        return {}
+    found = {}
+    for name, module in linears.items():
+        p = qparams.get(name)
+        if p is None:
+            continue
+        try:
+            w = weight_2d(teacher.get_submodule(name)).detach()
+        except AttributeError:
+            continue
+        if w.shape == weight_2d(module).shape and torch.equal(fake_quantize(w, p), weight_2d(module).detach()):
+            found[name] = w
+    return found
+
+
 def attach_adapters(
     model: nn.Module,
     linears: dict[str, nn.Module],
     cfg: RecoverStage,
     masks: dict[str, torch.Tensor],
     qparams: dict[str, QuantParams],
+    latents: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, LoraLinear]:
     """Replace each Linear by a :class:`LoraLinear`; every other parameter is frozen."""
     for p in model.parameters():
@@ -148,6 +177,8 @@ def attach_adapters(
             None if mask is None else mask.to(w0.device), qparams.get(name) if grid else None,
             cfg.dropout,
         )
+        if grid and latents and name in latents:
+            wrap.latent = latents[name]
         _replace(model, name, wrap)
         wrappers[name] = wrap
     return wrappers

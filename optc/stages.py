@@ -66,6 +66,7 @@ from optc.recover import (
     attach_adapters,
     check_recoverable,
     check_resumable,
+    float_latents,
     merge_adapters,
     pattern_violations,
     total_steps,
@@ -892,7 +893,8 @@ def run_recover(ws: Workspace, cfg: RecoverStage) -> dict:
     seqlen = cfg.seqlen or ws.calibration.seqlen
     chunks = calibration_chunks(ws.tokenizer, ws.calibration.dataset, seqlen, cfg.samples)[: cfg.samples]
     before = ws.evaluate(ws.model) if (cfg.eval_before and ws.evaluate is not None) else None
-    wrappers = attach_adapters(ws.model, linears, cfg, ws.masks, ws.qparams)
+    latents = float_latents(ws.teacher, linears, ws.qparams) if cfg.export == "merge" else {}
+    wrappers = attach_adapters(ws.model, linears, cfg, ws.masks, ws.qparams, latents)
     try:
         run = train_adapters(ws.model, wrappers, teacher, chunks, cfg, state_dir, ws.progress)
     finally:
@@ -908,8 +910,9 @@ def run_recover(ws: Workspace, cfg: RecoverStage) -> dict:
         )
         exported = "adapter kept separate: adapter_model.safetensors + adapter_config.json (peft LoRA) beside the checkpoint, whose weights are the pre-recovery ones"
     elif quantized:
-        exported = (f"merged and re-quantized onto the same grid ({len(quantized)} quantized Linears; "
-                    "trained through that grid, so the merged weights are exactly the trained ones)")
+        exported = (f"merged and re-quantized onto the same grid ({len(quantized)} quantized Linears, "
+                    f"{len(latents)} from their float weights; trained through that grid, so the "
+                    "merged weights are exactly the trained ones)")
     else:
         exported = "merged into the weights"
     notes = [

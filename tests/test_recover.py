@@ -251,3 +251,25 @@ def test_recover_a_pruned_checkpoint_keeps_its_zeros(tiny_checkpoint, tmp_path):
         w = after.get_submodule(name).weight.detach()
         assert torch.equal(w[~mask], torch.zeros_like(w[~mask]))
         assert not torch.equal(w, loaded.model.get_submodule(name).weight.detach())
+
+
+def test_rtn_recovery_starts_from_the_float_weights():
+    from optc.recover import float_latents
+
+    model = tiny_model("llama")
+    teacher = copy.deepcopy(model)
+    ws = Workspace(model, tokenizer=None)
+    run_rtn(ws, RTNStage(type="rtn"))
+    linears = select_linears(model, [".*"], ["lm_head"])
+    latents = float_latents(teacher, linears, ws.qparams)
+    assert set(latents) == set(linears)  # RTN: rounding the float weights gives the checkpoint
+    before = {n: weight_2d(m).detach().clone() for n, m in linears.items()}
+    wrappers = attach_adapters(model, linears, _cfg(), ws.masks, ws.qparams, latents)
+    for name, wrap in wrappers.items():  # B = 0: exactly the quantized model
+        assert torch.equal(wrap.effective_weight().detach(), before[name])
+    train_adapters(model, wrappers, teacher, tiny_tokens(8, 32), _cfg(loss="kd", steps=2, lr=1e-3), None)
+    stats, _ = merge_adapters(model, wrappers, keep_base=False)
+    assert sum(s["codes_changed"] for s in stats.values()) > 0  # small updates already flip codes
+    for name, module in linears.items():
+        w = weight_2d(module).detach()
+        assert torch.equal(fake_quantize(w, ws.qparams[name]), w)
