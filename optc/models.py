@@ -47,6 +47,8 @@ class LoadedModel:
     source: str  # what the user named
     path: Path | None  # local directory or file it came from (never written to)
     qparams: dict = field(default_factory=dict)  # module name -> QuantParams, if quantized
+    masks: dict = field(default_factory=dict)  # module name -> keep mask, if pruned (sparsity_config)
+    nm: tuple[int, int] | None = None  # the N:M pattern of those masks, if any
 
 
 def _fetch_builtin_gguf(name: str) -> Path:
@@ -112,6 +114,19 @@ def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def checkpoint_is_quantized(source: str) -> bool:
+    """Whether a local checkpoint directory stores quantized weights (read from config.json)."""
+    path = Path(source).expanduser()
+    if not path.is_dir():
+        return False
+    config = path / "config.json"
+    try:
+        qc = json.loads(config.read_text()).get("quantization_config") or {} if config.is_file() else {}
+    except json.JSONDecodeError:
+        return False
+    return qc.get("quant_method") in ("gptq", "awq") or bool(qc.get("config_groups"))
 
 
 def _quant_method(path: Path | str) -> str | None:
@@ -182,10 +197,31 @@ def _load_dir(path: Path | str, dtype: torch.dtype, trust_remote_code: bool):
 
         model, qparams = _load_pack_quantized(Path(path), dtype, read_gptq if method == "gptq" else read_awq)
     else:
-        kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+        _require_safetensors(path)
+        # use_safetensors: transformers would otherwise fall back to pytorch_model.bin (pickle).
+        kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, "use_safetensors": True}
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     return model, tokenizer, qparams
+
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def _require_safetensors(path: Path | str) -> None:
+    """Refuse a local checkpoint whose weights exist only as pickle files: unpickling can run
+    arbitrary code, so optc reads safetensors only (a hub id is held to the same rule by
+    ``use_safetensors=True``)."""
+    path = Path(path)
+    if not path.is_dir() or any(path.glob("*.safetensors")):
+        return
+    pickles = sorted(f.name for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise OptcError(
+            f"{path} holds its weights only as pickle files ({', '.join(pickles[:3])}); optc reads "
+            "safetensors only, because loading a pickle can run code: convert the checkpoint to "
+            "safetensors first (transformers' save_pretrained writes them)"
+        )
 
 
 def _unreadable_file(path: Path | None) -> Path | None:
@@ -239,10 +275,41 @@ def load_model(
             raise OptcError(f"model not found: {source!r} is neither a path nor a built-in model")
     except OSError as exc:
         raise OptcError(f"cannot load model {source!r}: {str(exc).splitlines()[0]}") from exc
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise
+        raise OptcError(f"{source} ships its own model code, which runs only with --trust-remote-code "
+                        "(pass it only for a repository you trust)") from None
     except SafetensorError as exc:
         raise OptcError(f"cannot load model {source!r}: {_unreadable_file(path) or 'a weights file'} "
                         f"is corrupt or truncated ({exc})") from None
     model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(model, tokenizer, source, path, qparams)
+    masks, nm = sparsity_masks(path, model)
+    return LoadedModel(model, tokenizer, source, path, qparams, masks, nm)
+
+
+def sparsity_masks(path: Path | None, model: torch.nn.Module) -> tuple[dict, tuple[int, int] | None]:
+    """Keep masks of a pruned checkpoint (the Linears its ``sparsity_config`` lists, masked
+    where their weights are zero), so later stages keep its zeros; and its N:M pattern."""
+    config = path / "config.json" if path is not None and path.is_dir() else None
+    if config is None or not config.is_file():
+        return {}, None
+    try:
+        qc = json.loads(config.read_text()).get("quantization_config") or {}
+    except json.JSONDecodeError:
+        return {}, None
+    sc = qc.get("sparsity_config") or {}
+    modules = dict(model.named_modules())
+    masks = {}
+    for name in sc.get("targets") or []:
+        module = modules.get(name)
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            w = weight.detach()
+            masks[name] = (w.t() if type(module).__name__ == "Conv1D" else w) != 0
+    structure = str(sc.get("sparsity_structure") or "")
+    n, sep, m = structure.partition(":")
+    nm = (int(n), int(m)) if sep and n.isdigit() and m.isdigit() else None
+    return masks, nm

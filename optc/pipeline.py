@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
+from optc.calibrate.distributed import is_main_process, process_group
+from optc.calibrate.modules import select_linears
 from optc.compress.actquant import input_quant_of
 from optc.data import check_disjoint
 from optc.errors import OptcError
@@ -19,13 +23,16 @@ from optc.evaluate.report import layer_statistics, stage_layer_info
 from optc.evaluate.size import size_metrics
 from optc.export.compressed_tensors import write_int_quantized, write_pack_quantized
 from optc.export.compressed_tensors import sparsity_config, write_sparsity_config
-from optc.export.checkpoint import check_output, directory_bytes, staged_output, write_dense
+from optc.export.checkpoint import check_free_space, check_output, directory_bytes, estimate_checkpoint_bytes
+from optc.export.checkpoint import staged_output, write_dense
 from optc.export.convert import FORMATS as CONVERT_FORMATS
 from optc.export.convert import check_recipe_export, export_model
+from optc.memory import trim
 from optc.models import load_model
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
-from optc.stages import STAGES, Workspace
+from optc.recover import check_recoverable, restore_base, write_adapter
+from optc.stages import QUANT_STAGES, STAGES, Workspace
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +80,29 @@ def run_recipe(
 ) -> dict:
     """Apply ``recipe`` and write the checkpoint (with recipe and report) to ``output``.
 
+    Started by torchrun, every rank calibrates on its share of the samples and rank 0 alone
+    evaluates and writes; the other ranks return a report without metrics.
     Finished layers of the calibrated stages are saved beside ``output`` as they complete;
     ``resume`` continues from them after a crash or Ctrl-C (same bytes as an uninterrupted run).
     A model that does not fit in memory runs streaming (:mod:`optc.stream_pipeline`).
     """
-    from optc.stream_pipeline import keeping_progress, open_store, run_streaming, wants_streaming
+    with process_group(device):
+        return _run_recipe(recipe, output, overwrite=overwrite, device=device, trust_remote_code=trust_remote_code,
+                           progress=progress, gates=gates, resume=resume)
+
+
+def _run_recipe(
+    recipe: Recipe,
+    output: Path | None,
+    *,
+    overwrite: bool = False,
+    device: str = "cpu",
+    trust_remote_code: bool = False,
+    progress: Progress | None = None,
+    gates: list[str] | None = None,
+    resume: bool = False,
+) -> dict:
+    from optc.stream_pipeline import baseline_perplexity, keeping_progress, open_store, run_streaming, wants_streaming
 
     progress = progress or NullProgress()
     gate_list = _recipe_gates(recipe, gates, output)  # parsed before any work
@@ -94,15 +119,80 @@ def run_recipe(
     loaded = load_model(recipe.model, recipe.dtype, trust_remote_code)
     if output is not None and loaded.path is not None:
         check_output(output, overwrite, protect=loaded.path)
+    if output is not None and is_main_process():  # no hours of calibration for a checkpoint that cannot fit
+        check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe),
+                                                           recipe.export.format))
     report = new_report(loaded.source, recipe.model_dump(mode="json"))
     report["timings"]["load"] = round(time.perf_counter() - t_start, 3)
     model = loaded.model
-    ws = Workspace(model, loaded.tokenizer, recipe.calibration, device, progress)
+    recover = [s for s in recipe.stages if s.type == "recover"]
+    for stage in recover:  # targets and rank are refused before any evaluation or training
+        check_recoverable(model, stage)
+        if stage.export == "adapter" and stage is not recipe.stages[-1]:
+            raise OptcError("recover with export: adapter must be the last stage (the checkpoint "
+                            "holds the weights before it, the adapter the update)")
+    teacher = _teacher(model, loaded.path, recover, report, trust_remote_code)
+    if teacher is not None:
+        report["recipe"] = recipe.model_dump(mode="json")  # with the teacher it resolved
+    ws = Workspace(model, loaded.tokenizer, recipe.calibration, device, progress,
+                   qparams=dict(loaded.qparams), masks=dict(loaded.masks), nm=loaded.nm, teacher=teacher)
     ws.store = open_store(recipe, output, loaded.path, device, resume, ws.qparams)
+    tokens = None
+    if recipe.evaluation is not None and is_main_process():
+        tokens = evaluation_token_cache(loaded.tokenizer, recipe.evaluation.dataset)
+        if recipe.evaluation.baseline:
+            # Recovering a compressed checkpoint: its teacher is the uncompressed baseline.
+            base_model = teacher if report["baseline"] is not None else model
+            report["metrics"]["perplexity_baseline"] = baseline_perplexity(
+                ws.store, recipe.evaluation, lambda: _evaluate(base_model, tokens, recipe.evaluation, progress))
+    if recipe.evaluation is not None:
+        ws.evaluate = lambda m: _evaluate(m, tokens, recipe.evaluation, progress)
+    if output is not None:
+        ws.state_dir = output.expanduser().parent / f".{output.name}.recover-state"
     with keeping_progress(ws.store):
-        _run_stages(recipe, ws, report, progress)
+        for i, stage in enumerate(recipe.stages):
+            _, fn = STAGES[stage.type]
+            if ws.store is not None:
+                ws.store.begin_stage(i, stage.type)
+            t0 = time.perf_counter()
+            log.info("stage %d: %s", i, stage.type)
+            stats = fn(ws, stage)
+            if "perplexity_before" in stats:
+                report["metrics"]["perplexity_before_recovery"] = stats.pop("perplexity_before")
+            report["stages"].append(
+                {
+                    "type": stage.type,
+                    "seconds": round(time.perf_counter() - t0, 2),
+                    "summary": _stage_summary(stats),
+                    "stats": stats,
+                }
+            )
+        if not is_main_process():
+            return report  # distributed: rank 0 evaluates and writes
+        report["metrics"].update(count_parameters(model))
+        if recipe.evaluation is not None:
+            report["metrics"]["perplexity_compressed"] = _evaluate(model, tokens, recipe.evaluation, progress)
+        _add_eval_details(report, model)
+
         if output is not None:
-            _export(recipe, ws, report, output, overwrite, loaded.path, gate_list)
+            check_free_space(output, estimate_checkpoint_bytes(model, {n: p.scheme for n, p in ws.qparams.items()},
+                                                               recipe.export.format))
+            trim()  # calibration's freed fragments, before export allocates the packed tensors
+            with staged_output(output, overwrite, protect=loaded.path) as tmp:
+                if ws.adapter is not None:
+                    restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
+                    ws.adapter.base_model = str(output)
+                fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
+                adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
+                if ws.masks and recipe.export.sparsity_metadata and fmt.split("/")[0] in ("dense", "compressed-tensors"):
+                    write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
+                (tmp / "recipe.yaml").write_text(recipe.to_yaml())
+                report["checkpoint"] = {"path": str(output), "format": fmt, "bytes": directory_bytes(tmp)}
+                if adapter_files:
+                    report["checkpoint"]["adapter"] = adapter_files
+                report["metrics"]["size"] = size_metrics(ws.model, tmp)
+                report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
+                write_report(report, tmp)
         else:
             report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
     if ws.store is not None:
@@ -110,49 +200,61 @@ def run_recipe(
     return report
 
 
-def _run_stages(recipe: Recipe, ws: Workspace, report: dict, progress: Progress) -> None:
-    """Baseline evaluation, every stage, and the compressed model's evaluation."""
-    from optc.stream_pipeline import baseline_perplexity
-
-    model = ws.model
-    tokens = None
-    if recipe.evaluation is not None:
-        tokens = evaluation_token_cache(ws.tokenizer, recipe.evaluation.dataset)
-        if recipe.evaluation.baseline:
-            report["metrics"]["perplexity_baseline"] = baseline_perplexity(
-                ws.store, recipe.evaluation, lambda: _evaluate(model, tokens, recipe.evaluation, progress))
-    for i, stage in enumerate(recipe.stages):
-        _, fn = STAGES[stage.type]
-        if ws.store is not None:
-            ws.store.begin_stage(i, stage.type)
-        t0 = time.perf_counter()
-        log.info("stage %d: %s", i, stage.type)
-        stats = fn(ws, stage)
-        report["stages"].append(
-            {
-                "type": stage.type,
-                "seconds": round(time.perf_counter() - t0, 2),
-                "summary": _stage_summary(stats),
-                "stats": stats,
-            }
-        )
-    report["metrics"].update(count_parameters(model))
-    if recipe.evaluation is not None:
-        report["metrics"]["perplexity_compressed"] = _evaluate(model, tokens, recipe.evaluation, progress)
-    _add_eval_details(report, model)
+def _teacher(model: torch.nn.Module, path: Path | None, recover: list, report: dict,
+             trust_remote_code: bool) -> torch.nn.Module | None:
+    """The uncompressed model a recovery stage distils from: the one it names; for an optc
+    checkpoint, the model its ``recipe.yaml`` compressed; else a frozen copy of the recipe's
+    model taken before any stage changes it."""
+    needs = [s for s in recover if s.loss != "ce"]
+    if not needs:
+        return None
+    named = next((s.teacher for s in needs if s.teacher), None) or source_model(path)
+    for stage in needs:  # recorded in the recipe as applied, so a later run finds it
+        stage.teacher = stage.teacher or named
+    if named is None:
+        teacher = copy.deepcopy(model)
+    else:
+        loaded = load_model(named, trust_remote_code=trust_remote_code)
+        if loaded.model.config.vocab_size != model.config.vocab_size:
+            raise OptcError(
+                f"teacher {named!r} has a vocabulary of {loaded.model.config.vocab_size} tokens, the "
+                f"model {model.config.vocab_size}: distillation needs the same tokenizer"
+            )
+        teacher = loaded.model
+        report["baseline"] = loaded.source
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher.eval()
 
 
-def _export(recipe: Recipe, ws: Workspace, report: dict, output: Path, overwrite: bool,
-            protect: Path | None, gate_list: list) -> None:
-    with staged_output(output, overwrite, protect=protect) as tmp:
-        fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
-        if ws.masks and recipe.export.sparsity_metadata and fmt.split("/")[0] in ("dense", "compressed-tensors"):
-            write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
-        (tmp / "recipe.yaml").write_text(recipe.to_yaml())
-        report["checkpoint"] = {"path": str(output), "format": fmt, "bytes": directory_bytes(tmp)}
-        report["metrics"]["size"] = size_metrics(ws.model, tmp)
-        report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
-        write_report(report, tmp)
+def source_model(path: Path | None) -> str | None:
+    """The model an optc checkpoint was compressed from (its ``recipe.yaml``), if any."""
+    recipe = path / "recipe.yaml" if path is not None and path.is_dir() else None
+    if recipe is None or not recipe.is_file():
+        return None
+    try:
+        data = yaml.safe_load(recipe.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    # A recovered checkpoint names its teacher; its ``model`` is the compressed input.
+    teachers = [s.get("teacher") for s in data.get("stages") or [] if isinstance(s, dict) and s.get("type") == "recover"]
+    name = next((t for t in teachers if t), None) or data.get("model")
+    return name if isinstance(name, str) and name else None
+
+
+def planned_schemes(model: torch.nn.Module, recipe: Recipe) -> dict:
+    """Linear name -> weight scheme the recipe's quantization stages will give it (the last
+    stage touching a Linear wins), for estimating the checkpoint before any work."""
+    schemes: dict = {}
+    for stage in recipe.stages:
+        if stage.type in QUANT_STAGES:
+            for name in select_linears(model, stage.targets, stage.ignore):
+                scheme = stage.scheme_for(name)
+                if scheme is not None:
+                    schemes[name] = scheme
+    return schemes
 
 
 def _recipe_gates(recipe: Recipe, extra: list[str] | None, output: Path | None) -> list:

@@ -11,6 +11,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -22,7 +23,7 @@ from optc.calibrate.modules import check_patterns, select_linears, set_weight_2d
 from optc.calibrate.modules import find_decoder_layers
 from optc.calibrate.observers import ActivationStats, MinMaxObserver
 from optc.calibrate.sequential import LayerStep, run_sequential
-from optc.calibrate.stats import FeatureNormAccumulator, InputSampler
+from optc.calibrate.stats import Discard, FeatureNormAccumulator, InputSampler
 from optc.compress.actquant import (
     ActivationScheme,
     attach_input_quant,
@@ -31,7 +32,7 @@ from optc.compress.actquant import (
     solve_input_quant,
 )
 from optc.compress.awq import apply_scale, awq_search_clip, awq_search_scale, resolve_mappings
-from optc.compress.gptq import gptq_quantize
+from optc.compress.gptq import GPTQResult, gptq_quantize
 from optc.compress.masks import nm_mask, nm_violations, parse_pattern, unstructured_mask
 from optc.compress.owl import outlier_ratio, owl_sparsities
 from optc.compress.quant import (
@@ -56,9 +57,21 @@ from optc.compress.structured import (
     select_heads,
 )
 from optc.compress.wanda import wanda_mask, wanda_scores
-from optc.data import CalibrationConfig
+from optc.data import CalibrationConfig, calibration_chunks
 from optc.errors import OptcError
+from optc.memory import trim
 from optc.progress import NullProgress, Progress
+from optc.recover import (
+    Adapter,
+    attach_adapters,
+    check_recoverable,
+    check_resumable,
+    float_latents,
+    merge_adapters,
+    pattern_violations,
+    total_steps,
+    train_adapters,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +87,11 @@ class Workspace:
     progress: Progress = field(default_factory=NullProgress)
     qparams: dict[str, QuantParams] = field(default_factory=dict)
     masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    nm: tuple[int, int] | None = None  # the N:M pattern the masks follow, if any
+    teacher: torch.nn.Module | None = None  # the uncompressed model, for distillation
+    evaluate: Callable[[torch.nn.Module], dict] | None = None  # the recipe's evaluation
+    state_dir: Path | None = None  # where a recovery keeps its resumable state
+    adapter: Adapter | None = None  # a recovery adapter to write beside the checkpoint
     store: LayerStore | None = None  # saves finished layers (resume); streams them when streaming
     _ids: torch.Tensor | None = None
 
@@ -188,6 +206,30 @@ class GPTQStage(_WeightQuantStage):
     observer: Literal["minmax", "mse"] = "mse"
 
 
+def solve_gptq(
+    step: LayerStep,
+    names: list[str],
+    hessians: dict[str, HessianAccumulator],
+    scheme_for: Callable[[str], QuantScheme | None],
+    masks: dict[str, torch.Tensor],
+    **options,
+) -> Iterator[tuple[str, GPTQResult]]:
+    """GPTQ for the named Linears of one layer, each from its input's Hessian, yielded one
+    by one (``hessians`` is consumed: each Hessian is dropped after its last Linear).
+
+    Linears that read one input share a Hessian but are solved one by one: stacking their
+    rows into one sweep gives the same result but was slower here (the larger working set
+    falls out of cache), so only the accumulation is shared.
+    """
+    for name in names:
+        yield name, gptq_quantize(
+            weight_2d(step.linears[name]).detach(), hessians.pop(name).H, scheme_for(name),
+            mask=masks.get(name),  # a pruned layer: quantize only the kept weights
+            name=name, **options,
+        )
+        trim()  # each solve's temporaries, before the next one fragments the heap further
+
+
 def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
     per_module: dict[str, dict] = {}
 
@@ -197,17 +239,14 @@ def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
         accs = step.collect(
             names, lambda n, m: HessianAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype)
         )
-        for name in names:
-            module = step.linears[name]
-            # Each Hessian is dropped after its last Linear and each result once recorded,
-            # so the largest solve (down_proj, last) runs with nothing else held.
-            res = gptq_quantize(
-                weight_2d(module).detach(), accs.pop(name).H, cfg.scheme_for(name),
-                block_size=cfg.block_size, dampening=cfg.dampening, actorder=cfg.actorder,
-                groups=cfg.groups, observer=cfg.observer, name=name, refit=cfg.refit_scales,
-                mask=ws.masks.get(name),  # a pruned layer: quantize only the kept weights
-            )
-            stats = _record_quantized(ws, name, module, res.weight, res.params)
+        # One result at a time, recorded before the next solve: the largest (down_proj, last)
+        # then runs with no other layer's result or Hessian held.
+        for name, res in solve_gptq(
+            step, names, accs, cfg.scheme_for, ws.masks,
+            block_size=cfg.block_size, dampening=cfg.dampening, actorder=cfg.actorder,
+            groups=cfg.groups, observer=cfg.observer, refit=cfg.refit_scales,
+        ):
+            stats = _record_quantized(ws, name, step.linears[name], res.weight, res.params)
             per_module[name] = {**stats, "gptq_loss": round(res.loss, 6)}
             del res
         return {}
@@ -241,7 +280,9 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
         total = step.tokens
         accs = step.collect(
             names,
-            lambda n, m: InputSampler(weight_2d(m).shape[1], total, cfg.sample_tokens, ws.calibration.seed),
+            lambda n, m: InputSampler(
+                weight_2d(m).shape[1], total, cfg.sample_tokens, ws.calibration.seed, first_row=step.row_offset
+            ),
         )
         scales: dict[str, torch.Tensor] = {}
         for m in mappings:
@@ -282,7 +323,7 @@ def _run_calibration(ws: Workspace, cfg: _Stage, solve, description: str, record
     return run_sequential(
         ws.model, ws.calibration_ids(), solve,
         targets=cfg.targets, ignore=cfg.ignore,
-        batch_size=ws.calibration.resolved_batch_size(), device=ws.device,
+        batch_size=ws.calibration.resolved_batch_size(ws.device), device=ws.device,
         autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description=description,
         store=ws.store, records=records,
     )
@@ -338,6 +379,7 @@ def run_magnitude(ws: Workspace, cfg: MagnitudeStage) -> dict:
     with torch.no_grad():
         per_module = {name: apply_mask(ws, name, linears[name], mk) for name, mk in masks.items()}
     nm = parse_pattern(cfg.pattern) if cfg.pattern else None
+    ws.nm = nm or ws.nm
     return {"modules": per_module, **sparsity_summary(ws.model, linears, nm)}
 
 
@@ -436,20 +478,21 @@ def run_w8a8(ws: Workspace, cfg: W8A8Stage) -> dict:
             extra = (HessianAccumulator(k),) if gptq else ()
             return ActivationStats(
                 k, step.tokens, averaging_constant=cfg.activations.averaging_constant,
-                sample_tokens=cfg.sample_tokens, seed=ws.calibration.seed, extra=extra,
+                sample_tokens=cfg.sample_tokens, seed=ws.calibration.seed, first_row=step.row_offset,
+                extra=extra,
             )
 
         accs = step.collect(names, make)
+        solved = dict(solve_gptq(
+            step, names, {n: accs[n].extra[0] for n in names}, cfg.scheme_for, ws.masks,
+            dampening=cfg.dampening, actorder=cfg.actorder, observer=cfg.weight_observer,
+        )) if gptq else {}
         ranges: dict[tuple[int, ActivationScheme], dict] = {}  # shared inputs: solved once
         for name in names:
             module, acc, scheme = step.linears[name], accs[name], cfg.scheme_for(name)
             w = weight_2d(module).detach().clone()
             if gptq:
-                res = gptq_quantize(
-                    w, acc.extra[0].H, scheme, dampening=cfg.dampening, actorder=cfg.actorder,
-                    observer=cfg.weight_observer, name=name,
-                )
-                w_hat, p = res.weight, res.params
+                w_hat, p = solved[name].weight, solved[name].params
             else:
                 p = choose_qparams(w, scheme, cfg.weight_observer)
                 w_hat = fake_quantize(w, p)
@@ -556,13 +599,6 @@ class SparseGPTStage(_CalibratedPruneStage):
     )
 
 
-class _Discard:
-    """Accumulator for inputs a later pass will collect again."""
-
-    def add(self, x: torch.Tensor) -> None:
-        pass
-
-
 def _collect_in_order(step: LayerStep, names: list[str], make) -> Iterator[tuple[list[str], dict]]:
     """Groups of Linears sharing one input, in execution order, each collected only after the
     previous groups were pruned (true-sequential). The first pass also finds the order: the
@@ -571,7 +607,7 @@ def _collect_in_order(step: LayerStep, names: list[str], make) -> Iterator[tuple
 
     def first_only(name: str, module: torch.nn.Module):
         order.append(name)
-        return make(name, module) if len(order) == 1 else _Discard()
+        return make(name, module) if len(order) == 1 else Discard()
 
     accs = step.collect(names, first_only)
     groups = [[n for n in names if n in accs and accs[n] is accs[o]] for o in order]
@@ -622,7 +658,7 @@ def _owl_allocation(ws: Workspace, cfg: _CalibratedPruneStage) -> dict[str, floa
 
     run_sequential(
         ws.model, ws.calibration_ids(), observe, targets=cfg.targets, ignore=cfg.ignore,
-        batch_size=ws.calibration.resolved_batch_size(), device=ws.device, propagate=False,
+        batch_size=ws.calibration.resolved_batch_size(ws.device), device=ws.device, propagate=False,
         autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description="owl",
     )
     return dict(zip(ratios, owl_sparsities(list(ratios.values()), cfg.sparsity, cfg.owl_lambda)))
@@ -680,6 +716,7 @@ def _run_calibrated_prune(ws: Workspace, cfg: _CalibratedPruneStage, method: str
         return {"target_sparsity": None if nm else round(layer_sparsity.get(step.name, cfg.sparsity), 6)}
 
     layers = _run_calibration(ws, cfg, solve, method)
+    ws.nm = nm or ws.nm
     return {"modules": per_module, "layers": layers, **sparsity_summary(ws.model, linears, nm)}
 
 
@@ -764,7 +801,7 @@ def run_structured(ws: Workspace, cfg: StructuredStage) -> dict:
 
     layer_stats = run_sequential(
         model, ws.calibration_ids(), solve, targets=[re.escape(o) + "$" for o in outputs], ignore=[],
-        batch_size=ws.calibration.resolved_batch_size(), device=ws.device,
+        batch_size=ws.calibration.resolved_batch_size(ws.device), device=ws.device,
         autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description="structured",
     )
     config = apply_plan_to_config(model.config, plan)
@@ -790,6 +827,114 @@ def run_structured(ws: Workspace, cfg: StructuredStage) -> dict:
     return out
 
 
+# --- recovery (LoRA fine-tuning with distillation) ----------------------------------------
+
+
+class RecoverStage(_Stage):
+    """LoRA fine-tuning of the compressed model (Hu et al. 2021) with next-token
+    cross-entropy, distillation from the uncompressed model (Hinton et al. 2015), or a mix;
+    pruning masks and quantization grids are kept (see optc.recover)."""
+
+    type: Literal["recover"]
+    steps: int | None = Field(None, gt=0, description="optimizer steps (deterministic budget)")
+    tokens: int | None = Field(None, gt=0, description="training tokens (steps = tokens / (batch_size * seqlen))")
+    max_minutes: float | None = Field(None, gt=0, description="wall-clock budget; the schedule follows the clock")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate (AdamW)")
+    warmup: float = Field(0.05, ge=0, lt=1, description="fraction of the run with a linear warm-up")
+    rank: int = Field(16, gt=0, description="LoRA rank r")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha (the update is scaled by alpha / r)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout (unmasked float-grid adapters only)")
+    loss: Literal["ce", "kd", "mix"] = Field("mix", description="cross-entropy, distillation KL, or a mix")
+    kd_weight: float = Field(0.5, ge=0, le=1, description="mix: weight of the distillation term")
+    temperature: float = Field(1.0, gt=0, description="distillation temperature T")
+    teacher: str | None = Field(
+        None, description="model to distil from; null: the recipe's model as loaded, before any stage"
+    )
+    teacher_cache: Literal["none", "topk"] = Field(
+        "none", description="none: teacher logits on the fly; topk: its top-k logits cached on disk"
+    )
+    teacher_topk: int = Field(128, gt=0, description="logits kept per token by teacher_cache: topk")
+    batch_size: int = Field(4, gt=0, description="sequences per step")
+    seqlen: int | None = Field(None, gt=1, description="tokens per sequence (null: calibration.seqlen)")
+    samples: int | None = Field(None, gt=0, description="training sequences (null: every chunk of the calibration text)")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass (less memory, ~30% slower)")
+    max_grad_norm: float = Field(1.0, ge=0, description="gradient clipping (0: off)")
+    save_every: int = Field(25, ge=0, description="save resumable state every N steps (0: never)")
+    state_dir: str | None = Field(None, description="resumable state (default: beside the output)")
+    resume: bool = Field(False, description="continue from the state saved by an interrupted run")
+    seed: int = 0
+    export: Literal["merge", "adapter"] = Field(
+        "merge", description="merge: fold the update into the weights (re-quantized onto the same "
+        "grid); adapter: keep it separate as a peft adapter beside the checkpoint",
+    )
+    eval_before: bool = Field(True, description="evaluate the model just before recovery too")
+
+    @model_validator(mode="after")
+    def _has_budget(self):
+        if self.steps is None and self.tokens is None and self.max_minutes is None:
+            raise ValueError("recovery needs a budget: steps, tokens and/or max_minutes")
+        return self
+
+
+def run_recover(ws: Workspace, cfg: RecoverStage) -> dict:
+    linears = check_recoverable(ws.model, cfg)
+    if cfg.export == "adapter" and any(n in ws.masks for n in linears):
+        raise OptcError(
+            "export: adapter cannot keep the pruning masks (peft adds B A densely, so the pruned "
+            "weights would move); use export: merge for a pruned model"
+        )
+    teacher = None
+    if cfg.loss != "ce":
+        if ws.teacher is None:
+            raise OptcError("distillation (loss kd or mix) needs the uncompressed model as teacher")
+        teacher = ws.teacher
+    state_dir = Path(cfg.state_dir).expanduser() if cfg.state_dir else ws.state_dir
+    if cfg.resume:
+        check_resumable(state_dir)  # before any tokenizing, evaluating or training
+    seqlen = cfg.seqlen or ws.calibration.seqlen
+    chunks = calibration_chunks(ws.tokenizer, ws.calibration.dataset, seqlen, cfg.samples)[: cfg.samples]
+    before = ws.evaluate(ws.model) if (cfg.eval_before and ws.evaluate is not None) else None
+    latents = float_latents(ws.teacher, linears, ws.qparams) if cfg.export == "merge" else {}
+    wrappers = attach_adapters(ws.model, linears, cfg, ws.masks, ws.qparams, latents)
+    try:
+        run = train_adapters(ws.model, wrappers, teacher, chunks, cfg, state_dir, ws.progress)
+    finally:
+        tensors = {n: (w.lora_A.detach().clone(), w.lora_B.detach().clone()) for n, w in wrappers.items()}
+        per_module, base = merge_adapters(ws.model, wrappers, keep_base=cfg.export == "adapter")
+    zeros_moved = sum(int((weight_2d(linears[n]).detach()[~m] != 0).sum()) for n, m in ws.masks.items() if n in linears)
+    quantized = [n for n in linears if n in ws.qparams]
+    if cfg.export == "adapter":
+        ws.adapter = Adapter(
+            tensors=tensors, rank=cfg.rank, alpha=cfg.alpha, dropout=cfg.dropout,
+            base_model=str(ws.model.config._name_or_path or ""),
+            conv1d=any(not isinstance(m, torch.nn.Linear) for m in linears.values()), base_weights=base,
+        )
+        exported = "adapter kept separate: adapter_model.safetensors + adapter_config.json (peft LoRA) beside the checkpoint, whose weights are the pre-recovery ones"
+    elif quantized:
+        exported = (f"merged and re-quantized onto the same grid ({len(quantized)} quantized Linears, "
+                    f"{len(latents)} from their float weights; trained through that grid, so the "
+                    "merged weights are exactly the trained ones)")
+    else:
+        exported = "merged into the weights"
+    notes = [
+        f"LoRA r={cfg.rank} alpha={cfg.alpha:g} on {len(linears)} Linears; loss {cfg.loss}"
+        + (f" (kd weight {cfg.kd_weight:g}, T={cfg.temperature:g})" if cfg.loss == "mix" else ""),
+        f"{run['steps']} steps, {run['tokens']:,} tokens in {run['seconds']:.0f} s "
+        f"(stopped by {run['stopped_by']}); loss {run['loss_start']} -> {run['loss_end']}",
+        exported,
+    ]
+    out = {"modules": per_module, **run, "export": cfg.export, "exported": exported,
+           "step_budget": total_steps(cfg, seqlen), "seqlen": seqlen, "train_sequences": int(chunks.shape[0])}
+    if ws.masks:
+        nmv = pattern_violations(ws.model, [n for n in linears if n in ws.masks], ws.nm)
+        out.update(pruned_weights_moved=zeros_moved, nm_violations=nmv if ws.nm else None)
+        notes.append(f"pruned weights moved: {zeros_moved}" + (f"; {ws.nm[0]}:{ws.nm[1]} groups broken: {nmv}" if ws.nm else ""))
+    out["notes"] = notes
+    if before is not None:
+        out["perplexity_before"] = before
+    return out
+
+
 StageFn = Callable[[Workspace, BaseModel], dict]
 
 # The one registry: recipe stage ``type`` -> (config model, function).
@@ -803,6 +948,7 @@ STAGES: dict[str, tuple[type[BaseModel], StageFn]] = {
     "structured": (StructuredStage, run_structured),
     "smoothquant": (SmoothQuantStage, run_smoothquant),
     "w8a8": (W8A8Stage, run_w8a8),
+    "recover": (RecoverStage, run_recover),
 }
 
 QUANT_STAGES = {"rtn", "gptq", "awq", "w8a8"}

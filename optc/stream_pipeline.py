@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 import optc
+from optc.calibrate import distributed
 from optc.calibrate.layerstore import LayerStore, state_dir_for
 from optc.calibrate.modules import find_decoder_layers
-from optc.calibrate.streaming import CheckpointSource, limit_heap_fragmentation, local_model_dir, meta_model
+from optc.calibrate.streaming import CheckpointSource, local_model_dir, meta_model
 from optc.data import check_disjoint
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.perplexity import evaluation_token_cache
@@ -36,6 +37,7 @@ from optc.export.checkpoint import check_output, directory_bytes, staged_output
 from optc.export.compressed_tensors import write_pack_quantized_config
 from optc.export.shards import model_state_dict
 from optc.export.stream_writer import Lazy, write_sharded
+from optc.memory import limit_fragmentation
 from optc.models import DEFAULT_MODEL, DTYPES
 from optc.progress import NullProgress, Progress
 from optc.recipe import Recipe
@@ -122,6 +124,12 @@ def open_store(recipe: Recipe, output: Path | None, model_path: Path | None, dev
                resume: bool, qparams: dict, source: CheckpointSource | None = None) -> LayerStore | None:
     """The resume state of a run writing ``output`` (none without an output: nothing to resume into)."""
     streaming = source is not None
+    if distributed.active() and not streaming:
+        # Every rank would save its own layers into one directory; under torchrun a run
+        # restarts from the beginning (--resume is refused).
+        if resume:
+            raise OptcError("--resume is not available for a distributed (torchrun) run")
+        return None
     if output is None:
         if not streaming:
             return None
@@ -256,7 +264,7 @@ def run_streaming(
     problem = streaming_problem(recipe)
     if problem:
         raise OptcError(f"calibration.streaming: {problem}")
-    limit_heap_fragmentation()
+    limit_fragmentation()
     t_start = time.perf_counter()
     torch.manual_seed(recipe.calibration.seed)
     if recipe.evaluation is not None:
@@ -346,7 +354,7 @@ def evaluate_streaming(source_name: str | None, baseline: str | None, opts, repo
     from optc.evaluate.suite import check_same_tokenizer, timed
 
     progress = progress or NullProgress()
-    limit_heap_fragmentation()
+    limit_fragmentation()
     if opts.latency or opts.tasks:
         raise OptcError("--streaming measures perplexity and size; --latency and --tasks need the model in memory")
     require_measurable(opts.gates, {"eval", "size"} | ({"baseline"} if baseline is not None else set()))

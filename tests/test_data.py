@@ -6,7 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from optc.data import calibration_samples, check_disjoint, evaluation_tokens, load_text, tokenize
+from optc.data import (
+    calibration_samples,
+    check_disjoint,
+    evaluation_tokens,
+    first_tokens,
+    load_text,
+    tokenize,
+)
 from optc.errors import OptcError
 
 
@@ -94,3 +101,14 @@ def test_check_disjoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     (tmp_path / "link.txt").symlink_to(a)
     with pytest.raises(OptcError, match="same file"):  # other spellings of the same file
         check_disjoint("./a.txt", "link.txt")
+
+
+def test_first_tokens_match_tokenizing_the_whole_text(default_tokenizer) -> None:
+    text = load_text("builtin", "calibration")
+    whole = tokenize(text, default_tokenizer)
+    for count in (1000, 5000, 20000):
+        part = first_tokens(text, default_tokenizer, count)
+        assert part.numel() >= count
+        assert torch.equal(part, whole[: part.numel()])
+    # Asking for more than there is gives the whole text.
+    assert torch.equal(first_tokens(text, default_tokenizer, whole.numel() * 2), whole)

@@ -141,3 +141,39 @@ def test_select_linears_no_match_lists_existing() -> None:
     gpt2 = select_linears(tiny_model("gpt2"), ["c_attn"], [])
     assert sorted(gpt2) == ["transformer.h.0.attn.c_attn", "transformer.h.1.attn.c_attn"]
     assert "lm_head" not in select_linears(model, [".*"], [])  # only Linears inside decoder layers
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "gpt2"])
+def test_collect_shares_inputs_and_sees_every_batch(arch: str) -> None:
+    """Linears reading one tensor share an accumulator, and stopping each later batch after
+    the last hooked Linear still feeds every Linear every batch, unchanged."""
+    model = tiny_model(arch)
+    ids = tiny_tokens(n=6, seqlen=16)
+    expected: dict[str, list[torch.Tensor]] = {}
+    handles = [
+        m.register_forward_pre_hook(lambda mod, a, _n=n: expected.setdefault(_n, []).append(a[0].clone()))
+        for n, m in select_linears(model, [r"\.0\."], ["lm_head"]).items()
+    ]
+    with torch.no_grad():
+        for start in range(0, 6, 2):  # the engine's batches, through the float model
+            model(ids[start : start + 2], use_cache=False)
+    for h in handles:
+        h.remove()
+    got: dict[str, _Keep] = {}
+
+    def solve(step):
+        if step.index == 0:
+            got.update(step.collect(list(step.linears), lambda n, m: _Keep([])))
+        return {}
+
+    run_sequential(model, ids, solve, targets=[r"\.0\."], ignore=["lm_head"], batch_size=2)
+    assert set(got) == set(expected)
+    groups = {id(acc) for acc in got.values()}
+    if arch == "llama":  # q/k/v read one tensor, gate/up another: 4 inputs for 7 Linears
+        assert len(groups) == 4
+    for name, acc in got.items():
+        shared = sum(a is acc for a in got.values())
+        # An accumulator shared by k Linears receives its input once per batch, not k times.
+        assert len(acc.store) == len(expected[name]) == 3, (name, shared)
+        for x, e in zip(acc.store, expected[name]):
+            torch.testing.assert_close(x, e)

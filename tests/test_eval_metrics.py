@@ -143,13 +143,13 @@ def test_token_cache_is_keyed_by_tokenizer_and_text(default_tokenizer, tmp_path:
     text = tmp_path / "eval.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 50)
     first = evaluation_token_cache(default_tokenizer, str(text))
-    files = list((tmp_path / "cache" / "tokens").glob("*.pt"))
+    files = list((tmp_path / "cache" / "tokens").glob("*.safetensors"))
     assert len(files) == 1 and tokenizer_fingerprint(default_tokenizer) in files[0].name
     assert torch.equal(evaluation_token_cache(default_tokenizer, str(text)), first)  # from disk
     text.write_text("Another text entirely. " * 50)  # edited file: new key, never stale ids
     second = evaluation_token_cache(default_tokenizer, str(text))
     assert not torch.equal(first[: second.numel()], second[: first.numel()])
-    assert len(list((tmp_path / "cache" / "tokens").glob("*.pt"))) == 2
+    assert len(list((tmp_path / "cache" / "tokens").glob("*.safetensors"))) == 2
     assert torch.equal(second, evaluation_token_cache(default_tokenizer, str(text), use_cache=False))
 
 

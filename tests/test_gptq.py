@@ -189,3 +189,4 @@ def test_hessian_accumulator_gpt2_conv1d():
     handle.remove()
     X = torch.cat(seen)
     assert torch.allclose(acc.H, 2 / X.shape[0] * X.T @ X, rtol=1e-5, atol=1e-6)
+

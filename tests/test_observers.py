@@ -86,7 +86,7 @@ def test_kl_threshold_falls_well_inside_planted_outliers() -> None:
     # The bulk is N(0, 1): the entropy threshold lands a few sigma out, far below the outliers
     # at 40 that set the min-max range.
     assert 2.5 < t < 10
-    assert obs.edges[-1] == pytest.approx(40.0)
+    assert obs.edges[-2] <= 40.0 < obs.edges[-1]  # the last bin holds the outliers' range
     assert clipped_fraction(obs.counts, obs.edges, t) < 1e-3
 
 
@@ -96,9 +96,10 @@ def test_kl_keeps_the_full_range_without_outliers() -> None:
     assert kl_threshold(obs.counts, obs.edges) > 0.95 * 3
 
 
+@pytest.mark.slow  # a speed target: timed only in the slow suite, never in CI's shared machine
 def test_kl_search_over_2048_bins_is_fast() -> None:
     obs = histogram_of(gaussian_with_outliers())
-    assert obs.counts.numel() == 2048
+    assert 2048 < obs.counts.numel() <= 4096
     kl_threshold(obs.counts, obs.edges)  # warm-up
     best = min(_timed(lambda: kl_threshold(obs.counts, obs.edges)) for _ in range(5))
     assert best < 0.050, f"KL threshold search took {best * 1e3:.1f} ms"
@@ -115,7 +116,7 @@ def test_percentile_known_answers() -> None:
     obs = histogram_of(x)
     assert percentile_threshold(obs.counts, obs.edges, 50) == pytest.approx(5.0, abs=0.01)
     assert percentile_threshold(obs.counts, obs.edges, 99) == pytest.approx(9.9, abs=0.01)
-    assert percentile_threshold(obs.counts, obs.edges, 100) == pytest.approx(10.0)
+    assert 10.0 < percentile_threshold(obs.counts, obs.edges, 100) <= 10.0 + obs.width  # the max's bin edge
     outliers = histogram_of(gaussian_with_outliers(outliers=50))
     assert 3.0 < percentile_threshold(outliers.counts, outliers.edges, 99.99) < 5.0
     for bad in (0, -1, 100.5):
@@ -145,16 +146,33 @@ def test_histogram_extends_with_exact_counts() -> None:
     a, b = torch.randn(10_000, generator=g), 3 * torch.randn(10_000, generator=g)
     obs = HistogramObserver(256)
     obs.add(a)
-    width = float(a.abs().max()) / 256
+    first = obs.width
+    assert math.log2(first) == int(math.log2(first))  # a power of two
+    assert 256 < obs.counts.numel() <= 512  # spreads max|a| over more than 256 bins
     obs.add(b)
     assert obs.counts.sum() == 20_000
-    assert obs.width == pytest.approx(width)
+    top = float(torch.cat([a, b]).abs().max())
+    assert obs.width > first and obs.width * 256 <= top < obs.width * 512
     n = obs.counts.numel()
-    assert n == math.ceil(float(b.abs().max()) / width) > 256
-    both = torch.histc(torch.cat([a, b]).abs(), bins=n, min=0, max=n * width).double()
-    # Same bins as one histogram of everything, up to values lying on a bin edge (float
-    # rounding of the edge may put them on either side).
-    assert (obs.counts - both).abs().sum() <= 4
+    assert n == int(top // obs.width) + 1
+    # Exactly the histogram of everything at the final width, and independent of the order.
+    both = torch.bincount(torch.floor(torch.cat([a, b]).abs() / obs.width).long(), minlength=n).double()
+    assert torch.equal(obs.counts, both)
+    other = HistogramObserver(256)
+    for x in (b[:5000], a, b[5000:]):
+        other.add(x)
+    assert other.width == obs.width and torch.equal(other.counts, obs.counts)
+
+
+def test_moving_average_replays_batches() -> None:
+    batches = [torch.randn(64, generator=torch.Generator().manual_seed(i)) * (i + 1) for i in range(5)]
+    ema = MovingAverageMinMaxObserver(averaging_constant=0.3)
+    for x in batches:
+        ema.add(x)
+    again = MovingAverageMinMaxObserver(averaging_constant=0.3)
+    again.add(batches[4])  # state from other data is discarded
+    again.replay(ema.history)
+    assert (again.min, again.max) == (ema.min, ema.max) and len(again.history) == 5
 
 
 def test_minmax_and_moving_average() -> None:

@@ -22,13 +22,14 @@ from typer.testing import CliRunner
 
 from optc.calibrate import layerstore
 from optc.calibrate.layerstore import state_dir_for
-from optc.calibrate.streaming import CheckpointSource, meta_model, trim_memory
+from optc.calibrate.streaming import CheckpointSource, meta_model
 from optc.cli.main import app
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.perplexity import perplexity
 from optc.evaluate.streaming import streamed_perplexity
 from optc.export.shards import write_safetensors
 from optc.export.stream_writer import Lazy, file_slices, write_file, write_sharded
+from optc.memory import trim
 from optc.pipeline import run_recipe
 from optc.recipe import parse_recipe
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens, write_random_model
@@ -212,7 +213,7 @@ def test_streaming_memory_stays_far_below_the_model(tmp_path, default_tokenizer)
     recipe = parse_recipe({"version": 1, "model": str(tmp_path / "model"), "calibration": {"streaming": True},
                            "stages": [{"type": "rtn"}], "evaluation": None,
                            "export": {"format": "compressed-tensors"}})
-    trim_memory()
+    trim()
     before = _peak_rss_since_reset()
     if before is None:
         pytest.skip("cannot reset the peak-RSS counter on this system")

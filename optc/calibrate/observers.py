@@ -72,14 +72,28 @@ class MovingAverageMinMaxObserver:
         self.c = averaging_constant
         self.min: float | None = None
         self.max: float | None = None
+        # Every batch's (min, max), two floats a batch: batches seen in another order (or by
+        # other processes) can be folded again into exactly the sequential average.
+        self.history: list[tuple[float, float]] = []
 
     def add(self, x: torch.Tensor) -> None:
         lo, hi = (float(v) for v in torch.aminmax(x.detach().float()))
+        self._fold(lo, hi)
+
+    def _fold(self, lo: float, hi: float) -> None:
+        self.history.append((lo, hi))
         if self.min is None or self.max is None:
             self.min, self.max = lo, hi
         else:
             self.min += self.c * (lo - self.min)
             self.max += self.c * (hi - self.max)
+
+    def replay(self, history: list[tuple[float, float]]) -> None:
+        """Start again from the per-batch ranges ``history``, in that order."""
+        self.min = self.max = None
+        self.history = []
+        for lo, hi in history:
+            self._fold(lo, hi)
 
     @property
     def absmax(self) -> float:
@@ -91,40 +105,67 @@ class MovingAverageMinMaxObserver:
 class HistogramObserver:
     """Histogram of ``|x|`` with fixed-width bins starting at 0.
 
-    The first batch sets the width to ``max|x| / bins``; a later batch reaching beyond the
-    covered range appends bins of the same width, so counts stay exact in one pass (no
-    re-binning, no second pass for the range). The result has ``bins`` bins when the first
-    batch holds the largest value, a few more otherwise.
+    The width is the largest power of two that still spreads the values seen over more than
+    ``bins`` bins (so between ``bins`` and ``2 bins`` are used). A batch beyond the covered
+    range (``2 bins`` widths) doubles the width, merging neighbouring bins, which is exact for
+    power-of-two widths; bin ``k`` counts ``k w <= |x| < (k + 1) w``. The result therefore depends only on
+    the values seen, not on their order or batching, and histograms of disjoint data (other
+    processes') merge exactly (:meth:`rebin`, then add the counts).
     """
+
+    # Bin indices are computed in chunks, so a large batch needs no large int64 temporary.
+    _CHUNK = 1 << 22
 
     def __init__(self, bins: int = DEFAULT_BINS) -> None:
         if bins < 1:
             raise ValueError(f"a histogram needs at least one bin, got {bins}")
         self.bins = bins
-        self.width: float | None = None
+        self.width: float | None = None  # None while only zeros were seen (all in bin 0)
         self.counts = torch.zeros(0, dtype=torch.float64)
+
+    def _width_for(self, top: float) -> float:
+        # frexp: top / (2 bins) = m 2^e with 0.5 <= m < 1, so 2^e is the smallest power of two
+        # with top < 2^e * 2 bins (then top >= 2^e * bins). Float32's smallest subnormal bounds
+        # it from below.
+        return max(math.ldexp(1.0, math.frexp(top / (2 * self.bins))[1]), math.ldexp(1.0, -149))
+
+    def rebin(self, width: float) -> None:
+        """Merge bins up to ``width`` (a power of two at least the current width)."""
+        if self.width is None:
+            self.width = width
+            return
+        while self.width < width:
+            if self.counts.numel() % 2:
+                self.counts = torch.cat([self.counts, self.counts.new_zeros(1)])
+            self.counts = self.counts.view(-1, 2).sum(dim=1)
+            self.width *= 2
+        if self.width != width:
+            raise ValueError(f"cannot merge histogram bins of width {self.width} into width {width}")
 
     def add(self, x: torch.Tensor) -> None:
         a = x.detach().float().abs().flatten()
         if a.numel() == 0:
             return
         top = float(a.max())
-        if self.width is None:
-            # An all-zero first batch still needs a positive width.
-            self.width = (top if top > 0 else 1.0) / self.bins
-            self.counts = torch.zeros(self.bins, dtype=torch.float64)
-        n = max(self.counts.numel(), math.ceil(top / self.width))
+        if top > 0 and (self.width is None or top >= self.width * 2 * self.bins):
+            self.rebin(max(self._width_for(top), self.width or 0.0))
+        n = 1 if self.width is None else int(top // self.width) + 1
         if n > self.counts.numel():
-            self.counts = torch.cat([self.counts, torch.zeros(n - self.counts.numel(), dtype=torch.float64)])
-        # histc puts values equal to the upper bound in the last bin, as wanted.
-        counts = torch.histc(a, bins=n, min=0.0, max=n * self.width)
-        self.counts += counts.double().cpu()
+            self.counts = torch.cat([self.counts, self.counts.new_zeros(n - self.counts.numel())])
+        if self.width is None:
+            self.counts[0] += a.numel()
+            return
+        # |x| / w is exact for a power-of-two w, so floor gives the true bin.
+        for chunk in a.split(self._CHUNK):
+            idx = torch.floor(chunk / self.width).long()
+            self.counts += torch.bincount(idx, minlength=self.counts.numel()).double().cpu()
 
     @property
     def edges(self) -> torch.Tensor:
-        if self.width is None:
+        if self.counts.numel() == 0:
             raise ValueError("observer has seen no data")
-        return torch.arange(self.counts.numel() + 1, dtype=torch.float64) * self.width
+        width = self.width if self.width is not None else 1.0 / self.bins
+        return torch.arange(self.counts.numel() + 1, dtype=torch.float64) * width
 
 
 class ActivationStats:
@@ -145,12 +186,13 @@ class ActivationStats:
         averaging_constant: float = 0.01,
         sample_tokens: int = 2048,
         seed: int = 0,
+        first_row: int = 0,
         extra: tuple = (),
     ) -> None:
         self.channel = MinMaxObserver(in_features)
         self.moving = MovingAverageMinMaxObserver(averaging_constant)
         self.histogram = HistogramObserver(bins)
-        self.sampler = InputSampler(in_features, total_tokens, sample_tokens, seed)
+        self.sampler = InputSampler(in_features, total_tokens, sample_tokens, seed, first_row)
         self.extra = extra
 
     def add(self, x: torch.Tensor) -> None:

@@ -9,7 +9,9 @@
    ones.
 
 Only one layer's inputs and outputs are alive at a time, and on an accelerator only the layer
-being calibrated lives on the device.
+being calibrated lives on the device. Under torchrun each process runs its own block of the
+calibration batches and every collect ends with the accumulators reduced across processes
+(:mod:`optc.calibrate.distributed`).
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from optc.calibrate import distributed
 from optc.calibrate.modules import find_decoder_layers, select_linears
+from optc.memory import trim
 from optc.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
@@ -45,14 +49,20 @@ class _StopForward(Exception):
 def input_hooks(
     modules: Mapping[str, nn.Module], fn: Callable[[str, torch.Tensor], None]
 ) -> Iterator[None]:
-    """Call ``fn(name, input)`` on each forward of each module; hooks always removed."""
+    """Call ``fn(name, input)`` before each forward of each module; hooks always removed.
+
+    A pre-hook (not a forward hook) so that ``fn`` may stop the forward before the module
+    computes anything, by raising.
+    """
     handles = []
     try:
         for name, module in modules.items():
-            def hook(_mod: nn.Module, args: tuple, _out: Any, _name: str = name) -> None:
-                fn(_name, args[0].detach())
+            def hook(_mod: nn.Module, args: tuple, _name: str = name) -> None:
+                # The very tensor the module reads (not a detached view, which would be a new
+                # object on every call): callers recognise shared inputs by identity.
+                fn(_name, args[0])
 
-            handles.append(module.register_forward_hook(hook))
+            handles.append(module.register_forward_pre_hook(hook))
         yield
     finally:
         for h in handles:
@@ -103,6 +113,17 @@ def _to(obj: Any, device: torch.device) -> Any:
     return obj
 
 
+def _same_or(previous: Any, value: Any) -> Any:
+    """``previous`` where it holds exactly the same tensors as ``value``, else ``value``."""
+    if isinstance(value, torch.Tensor) and isinstance(previous, torch.Tensor):
+        same = previous.shape == value.shape and previous.dtype == value.dtype and torch.equal(previous, value)
+        return previous if same else value
+    if isinstance(value, tuple) and isinstance(previous, tuple) and len(value) == len(previous):
+        shared = tuple(_same_or(p, v) for p, v in zip(previous, value))
+        return previous if all(a is b for a, b in zip(shared, previous)) else value
+    return value
+
+
 def capture_first_layer_inputs(
     model: nn.Module, ids: torch.Tensor, batch_size: int, device: torch.device
 ) -> list[_Batch]:
@@ -115,6 +136,8 @@ def capture_first_layer_inputs(
         rest = args[1:] if args else ()
         kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
         kwargs["use_cache"] = False
+        if batches:  # one copy of what every batch shares (rotary cos/sin, position ids)
+            kwargs = {k: _same_or(batches[-1].kwargs.get(k), v) for k, v in kwargs.items()}
         batches.append(_Batch(hidden.detach(), rest, kwargs))
         raise _StopForward
 
@@ -146,9 +169,14 @@ class LayerStep:
     batches: list[_Batch]
     forwards: int = field(default=0)
     autocast: torch.dtype | None = None
+    row_offset: int = 0  # index of this process's first token among all calibration tokens
+    world_tokens: int | None = None  # calibration tokens over all processes
 
     @property
     def tokens(self) -> int:
+        """Calibration tokens this layer sees (over every process when distributed)."""
+        if self.world_tokens is not None:
+            return self.world_tokens
         return sum(b.hidden.shape[0] * b.hidden.shape[1] for b in self.batches)
 
     def collect(
@@ -162,6 +190,12 @@ class LayerStep:
         accs: dict[str, Accumulator] = {}
         alias: dict[str, str] = {}
         seen: list[tuple[torch.Tensor, str]] = []  # inputs of this batch, kept alive
+        # The first batch runs the whole layer and records the order in which the hooked
+        # Linears are called; later batches stop right before the last of those calls: the
+        # layer's output is not needed here, and the work after its last hooked input (in a
+        # Llama layer, down_proj and the residual add) is a quarter of its matmuls.
+        order: list[str] = []
+        stop: tuple[str, int] | None = None  # (last hooked Linear, its number of calls)
 
         def feed(name: str, x: torch.Tensor) -> None:
             if name not in accs and name not in alias:
@@ -175,12 +209,22 @@ class LayerStep:
             seen.append((x, name))
             if name in accs:
                 accs[name].add(x)
+            if stop is None:
+                order.append(name)
+            elif name == stop[0] and sum(n == name for _, n in seen) == stop[1]:
+                raise _StopForward
 
         self.forwards += 1
         with torch.inference_mode(), input_hooks({n: self.linears[n] for n in names}, feed):
-            for b in self.batches:
-                _call_layer(self.layer, b, self.autocast)
+            for i, b in enumerate(self.batches):
+                try:
+                    _call_layer(self.layer, b, self.autocast)
+                except _StopForward:
+                    pass
+                if i == 0 and order:
+                    stop = (order[-1], order.count(order[-1]))
                 seen.clear()
+            distributed.reduce_all(accs)  # torchrun: statistics of every rank's samples
         return {**accs, **{n: accs[a] for n, a in alias.items()}}
 
     @torch.inference_mode()
@@ -189,7 +233,14 @@ class LayerStep:
         one extra batch of activations is alive."""
         self.forwards += 1
         for b in self.batches:
-            b.hidden = _call_layer(self.layer, b, self.autocast)
+            out = _call_layer(self.layer, b, self.autocast)
+            if out.shape == b.hidden.shape:
+                # Into the same buffer: allocating each new output while the old inputs are
+                # freed one by one fragments the heap, which held up to twice the calibration
+                # activations (150 MB more at the protocol's 128 x 512 tokens).
+                b.hidden.copy_(out)
+            else:
+                b.hidden = out
 
     @torch.inference_mode()
     def run(self) -> list[torch.Tensor]:
@@ -232,6 +283,8 @@ def run_sequential(
     was_training = model.training
     model.eval()
     stats: list[dict] = []
+    world_tokens = ids.shape[0] * ids.shape[1]
+    ids, row_offset, batch_size = distributed.shard(ids, batch_size)
     if store is not None:
         store.before_capture(model, prefix, layers)
     with torch.inference_mode():
@@ -249,18 +302,22 @@ def run_sequential(
             if store is not None:
                 store.load(i, name, layer)
             layer.to(device)
-            step = LayerStep(i, name, layer, linears, batches, autocast=autocast)
+            step = LayerStep(i, name, layer, linears, batches, autocast=autocast,
+                             row_offset=row_offset, world_tokens=world_tokens)
             layer_stats: dict = {}
             if linears and not propagate:
                 float_outputs = step.run()
                 layer_stats = solve(step) or {}
+                distributed.broadcast_module(layer)
                 for b, out in zip(batches, float_outputs):
                     b.hidden = out
             else:
                 if linears:
                     layer_stats = solve(step) or {}
+                    distributed.broadcast_module(layer)  # every rank propagates rank 0's layer
                 step.advance()
             layer.to("cpu")
+            trim()
             layer_stats.update(layer=name, seconds=round(time.perf_counter() - t0, 3))
             if store is not None:
                 store.done(i, name, layer, layer_stats, batches, records, last=i == len(layers) - 1)

@@ -7,6 +7,11 @@ import math
 import torch
 
 
+def _mix(seed: int, row: int) -> int:
+    """One 63-bit generator seed from (seed, row), distinct for distinct rows."""
+    return (seed * 0x9E3779B97F4A7C15 + row) % (1 << 63)
+
+
 class InputSampler:
     """Per-channel mean |x| over every token, plus a fixed-size, seeded sample of token rows.
 
@@ -15,20 +20,27 @@ class InputSampler:
     calibration set size.
     """
 
-    def __init__(self, in_features: int, total_tokens: int, max_tokens: int, seed: int = 0) -> None:
+    def __init__(
+        self, in_features: int, total_tokens: int, max_tokens: int, seed: int = 0, first_row: int = 0
+    ) -> None:
         self.in_features = in_features
         self.keep_fraction = min(1.0, max_tokens / max(1, total_tokens))
         self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
         self.count = 0
         self.rows: list[torch.Tensor] = []
-        self._gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self.next_row = first_row  # index of the next row among all calibration tokens
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, self.in_features).float()
         self.abs_sum += x.abs().sum(dim=0).double().cpu()
         self.count += x.shape[0]
         k = max(1, math.ceil(x.shape[0] * self.keep_fraction))
-        idx = torch.randperm(x.shape[0], generator=self._gen)[:k].sort().values
+        # Each batch draws from a generator seeded by its first row's global index, so the
+        # same rows are kept however the batches are split over processes.
+        gen = torch.Generator().manual_seed(_mix(self.seed, self.next_row))
+        self.next_row += x.shape[0]
+        idx = torch.randperm(x.shape[0], generator=gen)[:k].sort().values
         self.rows.append(x[idx.to(x.device)].clone())
 
     @property
@@ -60,3 +72,10 @@ class FeatureNormAccumulator:
     @property
     def sq_norm(self) -> torch.Tensor:
         return (self.sq_sum / max(1, self.count)).float()
+
+
+class Discard:
+    """Accumulator for inputs a later pass will collect again."""
+
+    def add(self, x: torch.Tensor) -> None:
+        pass

@@ -11,7 +11,6 @@ only the parts of the model in use occupy memory.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 from collections.abc import Iterable
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from optc.errors import OptcError
+from optc.memory import trim
 from optc.export.stream_writer import FileSlice, checkpoint_files, read_header
 
 log = logging.getLogger(__name__)
@@ -193,42 +193,9 @@ def release(module: nn.Module, exclude: str | None = None) -> None:
         for key, b in list(sub._buffers.items()):
             if b is not None and not b.is_meta and key not in sub._non_persistent_buffers_set:
                 sub._buffers[key] = torch.empty_like(b, device="meta")
-    trim_memory()
+    trim()
 
 
-def _libc():
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL("libc.so.6")
-            _LIBC.malloc_trim, _LIBC.mallopt  # noqa: B018 - glibc, or not
-        except (OSError, AttributeError):
-            _LIBC = False
-    return _LIBC
-
-
-def trim_memory() -> None:
-    """Return freed heap memory to the OS (glibc keeps it otherwise, and a layer-by-layer run
-    would show every layer's temporaries as resident memory). No-op off glibc."""
-    if _libc():
-        _libc().malloc_trim(0)
-
-
-def limit_heap_fragmentation(threshold: int = 4 << 20) -> None:
-    """Give every allocation of ``threshold`` bytes or more its own pages (returned to the OS
-    when freed), as glibc does only above a threshold it raises up to 32 MiB as it goes.
-
-    A streamed layer's tensors (8-32 MiB each on a 1B model) otherwise land in a heap that
-    never shrinks, so each layer's forward and solves leave resident memory behind (measured
-    on two layers of the bench-scale model: 1733 MiB peak instead of 1276 MiB). Process-wide;
-    no-op off glibc.
-    """
-    if _libc():
-        _libc().mallopt(_M_MMAP_THRESHOLD, threshold)
-
-
-_LIBC = None
-_M_MMAP_THRESHOLD = -3  # glibc <malloc.h>
 
 
 def is_materialized(module: nn.Module) -> bool:

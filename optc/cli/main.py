@@ -116,11 +116,15 @@ class RichProgress:
     """rich progress bars for the library's :class:`optc.progress.Progress` protocol."""
 
     @contextmanager
-    def task(self, description: str, total: int) -> Iterator[Callable[[], None]]:
+    def task(self, description: str, total: int | None) -> Iterator[Callable[..., None]]:
         columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn()]
         with RichProgressBar(*columns, console=err_console, transient=True) as bar:
             tid = bar.add_task(description, total=total)
-            yield lambda: bar.advance(tid)
+
+            def advance(info: str | None = None) -> None:
+                bar.update(tid, advance=1, description=description if info is None else f"{description} {info}")
+
+            yield advance
 
 
 def _print_report(report: dict, as_json: bool) -> None:
@@ -196,6 +200,7 @@ def _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windo
 
 
 def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_remote_code, no_eval, as_json, stages: list | None = None, gates: list[str] | None = None, quiet: bool = False, resume: bool = False) -> None:
+    from optc.calibrate.distributed import is_main_process
     from optc.pipeline import run_recipe
     from optc.recipe import apply_overrides, parse_recipe, read_recipe_data, resolve_recipe
 
@@ -208,8 +213,10 @@ def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_rem
     if no_eval:
         data["evaluation"] = None
     recipe = parse_recipe(apply_overrides(data, overrides), str(path))
-    report = run_recipe(recipe, output, overwrite=overwrite, device=_device(device), trust_remote_code=trust_remote_code, progress=_progress(quiet), gates=gates, resume=resume)
-    _finish(report, as_json, quiet)
+    main = is_main_process()  # under torchrun only rank 0 shows progress and prints the report
+    report = run_recipe(recipe, output, overwrite=overwrite, device=_device(device), trust_remote_code=trust_remote_code, progress=_progress(quiet or not main), gates=gates, resume=resume)
+    if main:
+        _finish(report, as_json, quiet)
 
 
 def _progress(quiet: bool):
@@ -305,6 +312,57 @@ def prune(
         overrides.update({"stages.0.type": method if method != "magnitude" else None, "stages.0.pattern": pattern, "stages.0.sparsity": sparsity})
         overrides.update({f"stages.0.{k}": v for k, v in (parts or {}).items()})
     _run(recipe or "prune-2of4-magnitude.yaml", overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, stages, gates=gate, quiet=quiet, resume=resume)
+
+
+@app.command()
+@handle_errors
+def recover(
+    model: Annotated[Optional[str], typer.Argument(help="The compressed checkpoint (or any model) to recover.")] = None,
+    recipe: Annotated[str, typer.Option("--recipe", "-r", help="Recipe holding the recover stage (its first recover stage gets the flags).")] = "recover.yaml",
+    teacher: Annotated[Optional[str], typer.Option("--teacher", help="Uncompressed model to distil from (default: the model an optc checkpoint was compressed from).")] = None,
+    steps: Annotated[Optional[int], typer.Option("--steps", help="Optimizer steps.")] = None,
+    tokens: Annotated[Optional[int], typer.Option("--tokens", help="Training tokens.")] = None,
+    max_minutes: Annotated[Optional[float], typer.Option("--max-minutes", help="Wall-clock budget in minutes.")] = None,
+    lr: Annotated[Optional[float], typer.Option("--lr", help="Peak learning rate.")] = None,
+    rank: Annotated[Optional[int], typer.Option("--rank", help="LoRA rank.")] = None,
+    alpha: Annotated[Optional[float], typer.Option("--alpha", help="LoRA alpha (update scaled by alpha/rank).")] = None,
+    loss: Annotated[Optional[str], typer.Option("--loss", help="ce, kd or mix.")] = None,
+    kd_weight: Annotated[Optional[float], typer.Option("--kd-weight", help="mix: weight of the distillation term.")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="Distillation temperature.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per step.")] = None,
+    target: Annotated[Optional[list[str]], typer.Option("--target", help="Regex of Linears to adapt (repeatable).")] = None,
+    gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in the backward pass.")] = None,
+    save_every: Annotated[Optional[int], typer.Option("--save-every", help="Save resumable state every N steps (0: never).")] = None,
+    state_dir: Annotated[Optional[str], typer.Option("--state-dir", help="Where the resumable state lives (default: beside --output).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last saved step.")] = False,
+    export_mode: Annotated[Optional[str], typer.Option("--export", help="merge (fold into the weights, same grid) or adapter (peft adapter beside the checkpoint).")] = None,
+    output: OutputOpt = None, overwrite: OverwriteOpt = False,
+    dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
+    eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
+    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    gate: GateOpt = None, quiet: QuietOpt = False,
+) -> None:
+    """Recover accuracy with a LoRA fine-tune distilled from the float model; masks and grids are kept."""
+    from optc.models import checkpoint_is_quantized
+    from optc.recipe import read_recipe_data, resolve_recipe
+
+    data = read_recipe_data(resolve_recipe(recipe))
+    stages = data.get("stages") if isinstance(data, dict) else None
+    index = next((i for i, st in enumerate(stages or []) if isinstance(st, dict) and st.get("type") == "recover"), None)
+    if index is None:
+        raise OptcError(f"recipe {recipe}: has no recover stage (use optc run for other recipes)")
+    if fmt is None and model is not None and checkpoint_is_quantized(model):
+        fmt = "compressed-tensors"  # keep a quantized checkpoint's format
+    overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
+    fields = {
+        "teacher": teacher, "steps": steps, "tokens": tokens, "max_minutes": max_minutes, "lr": lr,
+        "rank": rank, "alpha": alpha, "loss": loss, "kd_weight": kd_weight, "temperature": temperature,
+        "batch_size": batch_size, "targets": target, "gradient_checkpointing": gradient_checkpointing,
+        "save_every": save_every, "state_dir": state_dir, "resume": resume or None, "export": export_mode,
+        "seed": seed,
+    }
+    overrides.update({f"stages.{index}.{k}": v for k, v in fields.items()})
+    _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet)
 
 
 def _parse_structured(text: str) -> dict[str, float]:

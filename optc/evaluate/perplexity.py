@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from optc.errors import OptcError
 from optc.evaluate.kl import DivergenceAccumulator, DivergenceResult
@@ -257,20 +259,21 @@ def evaluation_token_cache(tokenizer, dataset: str, use_cache: bool = True) -> t
     if not use_cache:
         return tokenize(text, tokenizer)
     text_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]
-    path = cache_dir() / "tokens" / f"{tokenizer_fingerprint(tokenizer)}-{text_hash}.pt"
+    # safetensors, like every file optc reads or writes: no pickle.
+    path = cache_dir() / "tokens" / f"{tokenizer_fingerprint(tokenizer)}-{text_hash}.safetensors"
     if path.is_file():
         try:
-            return torch.load(path, weights_only=True).long()
-        except (OSError, RuntimeError, EOFError) as exc:
+            return load_file(path)["ids"].long()
+        except (OSError, SafetensorError, KeyError) as exc:
             log.warning("ignoring unreadable token cache %s (%s)", path, exc)
     ids = tokenize(text, tokenizer)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokens-", suffix=".pt")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tokens-", suffix=".safetensors")
         os.close(fd)
         # int32 halves the file; written beside the target and renamed so readers never
         # see a partial file.
-        torch.save(ids.to(torch.int32), tmp)
+        save_file({"ids": ids.to(torch.int32).contiguous()}, tmp)
         Path(tmp).replace(path)
     except OSError as exc:
         log.warning("could not write the token cache %s (%s)", path, exc)

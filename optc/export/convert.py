@@ -150,7 +150,7 @@ def convert_checkpoint(
     re-rounding (GGUF targets re-round only with ``requantize``, and say so).
     """
     from optc.compress.actquant import input_quant_of
-    from optc.export.checkpoint import check_output
+    from optc.export.checkpoint import check_free_space, check_output, estimate_checkpoint_bytes
     from optc.models import load_model
 
     check_format(fmt)
@@ -167,6 +167,7 @@ def convert_checkpoint(
             f"{source} holds no quantized weights optc can read, so there is no grid to write as {fmt} "
             "(quantize it with optc quantize, or export dense / gguf)"
         )
+    check_free_space(output, estimate_checkpoint_bytes(loaded.model, {n: p.scheme for n, p in loaded.qparams.items()}, fmt))
     with staged_output(output, overwrite, protect=loaded.path) as tmp:
         summary = export_model(loaded.model, loaded.tokenizer, loaded.qparams, fmt, tmp,
                                max_shard_bytes=max_shard_bytes, requantize=requantize)
