@@ -17,9 +17,10 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,8 +41,11 @@ from optc.export.stream_writer import Lazy, write_sharded
 from optc.memory import limit_fragmentation
 from optc.models import DEFAULT_MODEL, DTYPES
 from optc.progress import NullProgress, Progress
-from optc.recipe import Recipe
+from optc.recipe import EvaluationConfig, Recipe
 from optc.stages import STAGES, Workspace
+
+if TYPE_CHECKING:
+    from optc.evaluate.suite import EvalOptions
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +168,7 @@ def keeping_progress(store: LayerStore | None, resumable: bool = True) -> Iterat
         raise
 
 
-def baseline_perplexity(store: LayerStore | None, cfg, compute) -> dict:
+def baseline_perplexity(store: LayerStore | None, cfg: EvaluationConfig, compute: Callable[[], dict]) -> dict:
     """The baseline's perplexity, or the one the interrupted run measured with the same protocol."""
     key = cfg.model_dump(mode="json")
     saved = store.extra("perplexity_baseline") if store is not None else None
@@ -189,7 +193,8 @@ def _tokenizer(model_dir: Path, trust_remote_code: bool):
     return tokenizer
 
 
-def _streamed_eval(model, source: CheckpointSource, tokens, cfg, progress: Progress, stats: dict | None = None) -> dict:
+def _streamed_eval(model: torch.nn.Module, source: CheckpointSource, tokens: torch.Tensor, cfg: EvaluationConfig,
+                   progress: Progress, stats: dict | None = None) -> dict:
     return streamed_perplexity(model, source, tokens, cfg.seqlen, cfg.windows, cfg.stride, cfg.batch_size,
                                progress, stats=stats).to_dict()
 
@@ -343,7 +348,7 @@ def _schemes_of(source: CheckpointSource) -> dict[str, str]:
     return out
 
 
-def evaluate_streaming(source_name: str | None, baseline: str | None, opts, report: dict,
+def evaluate_streaming(source_name: str | None, baseline: str | None, opts: EvalOptions, report: dict,
                        progress: Progress | None = None) -> dict:
     """``optc eval --streaming``: perplexity (and the paired change against ``baseline``) and
     size, reading one decoder layer at a time; KL, latency and tasks need the model in memory."""

@@ -203,6 +203,7 @@ def _peak_rss_since_reset() -> int | None:
         return None
 
 
+@pytest.mark.slow  # writes and streams a 0.6 GB model
 def test_streaming_memory_stays_far_below_the_model(tmp_path, default_tokenizer):
     """A 24-layer random model: the streamed run's peak resident memory grows by much less than
     the model's size (it holds one layer, not all of them)."""
@@ -263,6 +264,7 @@ def test_resume_after_ctrl_c_gives_the_same_checkpoint(runs, tiny_dir, tmp_path,
     assert resumed["stages"][0]["stats"]["modules"] == report["stages"][0]["stats"]["modules"]
 
 
+@pytest.mark.slow  # a second Python process (imports dominate); the Ctrl-C test covers the same state in-process
 def test_sigkill_then_resume_gives_the_same_checkpoint(runs, tiny_dir, tmp_path):
     """The process dies with no chance to clean up (SIGKILL after layer 1); --resume finishes it."""
     out = tmp_path / "killed"

@@ -38,7 +38,7 @@ class _Replay(nn.Module):
         if attention_type is not None:  # read by models that pick a mask per layer type
             self.attention_type = attention_type
 
-    def forward(self, *args, **kwargs):
+    def forward(self, *args, **kwargs) -> torch.Tensor | tuple[torch.Tensor]:
         return (self.hidden,) if self.as_tuple else self.hidden
 
 
