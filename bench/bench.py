@@ -68,11 +68,15 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=40)
     ap.add_argument("--format", default=None, help="force one export format (default: each recipe's own)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results.md")
+    ap.add_argument("--no-transformers", action="store_true",
+                    help="skip the second evaluation through plain transformers")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the float32 row")
     args = ap.parse_args()
     for f in (CALIB, TEST):
         if not f.is_file():
             raise SystemExit(f"missing {f} (set OPTC_DATA to the folder holding WikiText-2)")
-    rows = [("float32 baseline", evaluate("smollm2-135m", args.windows), None, None, None, None)]
+    rows = [] if args.no_baseline else [
+        ("float32 baseline", evaluate("smollm2-135m", args.windows), None, None, None, None)]
     work = Path(tempfile.mkdtemp(prefix="optc-bench-"))
     try:
         for recipe in args.recipes:
@@ -83,9 +87,12 @@ def main() -> None:
             seconds, rss, _ = run_child(cmd)
             size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
             written = json.loads((out_dir / "report.json").read_text())["checkpoint"]["format"]
-            hf = evaluate_hf(str(out_dir), args.windows) if written.startswith("compressed-tensors") else None
+            hf = None
+            if written.startswith("compressed-tensors") and not args.no_transformers:
+                hf = evaluate_hf(str(out_dir), args.windows)
             rows.append((recipe, evaluate(str(out_dir), args.windows), hf, seconds, rss, size / 2**20))
-            print(f"{recipe}: done", file=sys.stderr, flush=True)
+            # one line per finished recipe, so a long run that dies keeps what it measured
+            print(f"{recipe}: done {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = [

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
@@ -108,7 +108,7 @@ def test_stream_writer_writes_the_bytes_of_save_file(tmp_path):
     assert filecmp.cmp(tmp_path / "ref.safetensors", tmp_path / "mine.safetensors", shallow=False)
     # Byte ranges of another file and tensors made on demand give the same file again.
     mixed = {**file_slices(tmp_path / "ref.safetensors"), "z": Lazy(lambda: torch.ones(3), torch.float32, (3,))}
-    write_file(tmp_path / "mixed.safetensors", mixed, {"format": "pt"}, durable=True)
+    write_file(tmp_path / "mixed.safetensors", mixed, {"format": "pt"})
     save_file({**tensors, "z": torch.ones(3)}, str(tmp_path / "ref2.safetensors"), metadata={"format": "pt"})
     assert filecmp.cmp(tmp_path / "ref2.safetensors", tmp_path / "mixed.safetensors", shallow=False)
     # Sharded: same plan, names, index and bytes as the in-memory writer.
@@ -312,3 +312,29 @@ def test_a_user_error_mid_run_leaves_no_state(tiny_dir, tmp_path, monkeypatch):
         with pytest.raises(OptcError):
             run_recipe(_recipe(tiny_dir), out)
     assert not out.exists() and not state_dir_for(out).exists()
+
+
+def test_saved_activations_are_the_bytes_before_the_next_layer_overwrites_them(tmp_path):
+    # The commit (fsync, rename, progress) runs in the background while the next layer reuses
+    # the activation buffers in place: the file must hold what they were when the layer ended.
+    from types import SimpleNamespace
+
+    store = layerstore.LayerStore(tmp_path / "state", {"run": 1}, {})
+    store.begin_stage(0, "gptq")
+    batches = [SimpleNamespace(hidden=torch.randn(2, 3, 4)) for _ in range(3)]
+    before = [b.hidden.clone() for b in batches]
+    layer = torch.nn.Linear(4, 4)
+    store.done(0, "model.layers.0", layer, {"loss": 1.0}, batches, {}, last=False)
+    for b in batches:
+        b.hidden.fill_(7.0)
+    store.flush()
+    saved = load_file(str(tmp_path / "state" / "acts-00000.safetensors"))
+    assert all(torch.equal(saved[str(j)], before[j]) for j in range(3))
+    assert not list((tmp_path / "state").glob(".*.tmp"))
+    progress = json.loads((tmp_path / "state" / "progress.json").read_text())
+    assert [r["layer"] for r in progress["layers"]] == ["model.layers.0"]
+    store.done(1, "model.layers.1", layer, {"loss": 1.0}, batches, {}, last=False)
+    store.flush()  # layer 1's progress is on disk, so layer 0's activations are gone
+    assert sorted(p.name for p in (tmp_path / "state").glob("acts-*")) == ["acts-00001.safetensors"]
+    store.remove()
+    assert not (tmp_path / "state").exists()

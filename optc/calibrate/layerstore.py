@@ -12,7 +12,10 @@ output):
 
 Every file is written beside its name, fsynced and renamed, and the activations of a layer are
 deleted only after the progress naming the next one is on disk, so a crash at any instant leaves
-a consistent state. A resumed run re-runs the stages before the saved one (they are
+a consistent state. The fsyncs, renames and the progress file of layer i are committed by a
+background thread while layer i+1 is calibrated (the files' bytes are written before the next
+layer changes the activation buffers in place): fsyncing 151 MB of activations per layer took
+1.3 s on this machine's disk, 40 s of a 250 s GPTQ run of the default model. A resumed run re-runs the stages before the saved one (they are
 deterministic), restores the saved layers, loads the saved activations and continues, which
 gives the same bytes as an uninterrupted run on the same machine and thread count.
 
@@ -27,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -103,6 +107,8 @@ class LayerStore:
         self.restore_count = 0  # layers of the running stage taken from the saved state
         self.layers: list[dict] = []  # records of the running stage's layers, in order
         self.outer_counts: tuple[int, int] | None = None
+        self._committer: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None  # the last layer's commit, still running
 
     @property
     def streaming(self) -> bool:
@@ -221,24 +227,50 @@ class LayerStore:
             "stats": layer_stats,
             "records": {k: v for k, v in (records or {}).items() if k.startswith(name + ".")},
         }
+        staged: list[Path] = []
         if self.streaming:
-            rec.update(self._write_part(i, name, layer, mine))
+            rec.update(self._write_part(i, name, layer, mine, staged))
             release(layer)
         else:
-            write_file(self.directory / _layer_file("layer", i), dict(layer.state_dict()), durable=True)
-            rec["qparams"] = self._save_qparams(i, mine)
+            staged.append(self._stage(_layer_file("layer", i), dict(layer.state_dict())))
+            rec["qparams"] = self._save_qparams(i, mine, staged)
         if not last:
             acts = {str(j): b.hidden for j, b in enumerate(batches)}
-            write_file(self.directory / _layer_file("acts", i), acts, durable=True)
+            staged.append(self._stage(_layer_file("acts", i), acts))
         self.layers.append(rec)
-        self._write_progress()
-        old = self.directory / _layer_file("acts", i - 1)
-        if old.exists():
-            old.unlink()
+        progress = self._progress()
+        self.flush()  # at most one layer in flight; its errors (a full disk) surface here
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optc-resume-state")
+        self._pending = self._committer.submit(
+            self._commit, staged, progress, self.directory / _layer_file("acts", i - 1))
+
+    def _stage(self, file: str, entries: dict, metadata: dict | None = None) -> Path:
+        """Write ``file``'s bytes under a temporary name (no fsync); :meth:`_commit` makes it durable."""
+        tmp = self.directory / f".{file}.tmp"
+        write_file(tmp, entries, metadata)
+        return tmp
+
+    def _commit(self, staged: list[Path], progress: dict, old_acts: Path) -> None:
+        for tmp in staged:
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, tmp.with_name(tmp.name[1:].removesuffix(".tmp")))
+        self._write_json(self.directory / PROGRESS, progress)
+        old_acts.unlink(missing_ok=True)
+
+    def flush(self) -> None:
+        """Wait until the last finished layer is durably saved (and raise what its commit raised)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     # --- streaming --------------------------------------------------------------------------
 
-    def _write_part(self, i: int, name: str, layer: nn.Module, mine: list[str]) -> dict:
+    def _write_part(self, i: int, name: str, layer: nn.Module, mine: list[str], staged: list[Path]) -> dict:
         """The layer's checkpoint tensors (pack-quantized Linears, float rest), in state-dict order."""
         from optc.export.compressed_tensors import _target_group_sizes, pack_linear
 
@@ -256,7 +288,7 @@ class LayerStore:
                 keys[full] = list(gkey)
             else:
                 tensors[f"{name}.{key}"] = t
-        write_file(self.directory / _layer_file("part", i), tensors, {"format": "pt"}, durable=True)
+        staged.append(self._stage(_layer_file("part", i), tensors, {"format": "pt"}))
         numel, nonzero = tensor_counts(layer)
         linears = linear_summary(layer, name)
         groups = {m: keys[m] for m in mine}  # config groups list modules in solving order
@@ -266,6 +298,7 @@ class LayerStore:
 
     def part_entries(self) -> dict[str, dict]:
         """Tensor name -> :class:`FileSlice` of every compressed layer, per layer name."""
+        self.flush()
         out = {}
         for i, rec in enumerate(self.layers):
             slices = file_slices(self.directory / _layer_file("part", i))
@@ -294,14 +327,14 @@ class LayerStore:
                 raise OptcError(f"saved activations in {self.directory} do not match this run's batches")
             b.hidden = t.to(b.hidden.device)
 
-    def _save_qparams(self, i: int, mine: list[str]) -> dict:
+    def _save_qparams(self, i: int, mine: list[str], staged: list[Path]) -> dict:
         tensors, schemes = {}, {}
         for m in mine:
             p = self.qparams[m]
             tensors.update({f"{m}.scale": p.scale, f"{m}.zero": p.zero, f"{m}.g_idx": p.g_idx})
             schemes[m] = p.scheme.model_dump()
         if tensors:
-            write_file(self.directory / _layer_file("qparams", i), tensors, durable=True)
+            staged.append(self._stage(_layer_file("qparams", i), tensors))
         return schemes
 
     def _restore_qparams(self, i: int, rec: dict) -> None:
@@ -322,9 +355,9 @@ class LayerStore:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
 
-    def _write_progress(self) -> None:
+    def _progress(self) -> dict:
         extra_path = self.directory / "extra.json"
-        progress = {
+        return {
             "version": STATE_VERSION,
             "fingerprint": self.fingerprint,
             "stage": self.stage[0],
@@ -333,7 +366,6 @@ class LayerStore:
             "layers": self.layers,
             "extra": json.loads(extra_path.read_text()) if extra_path.is_file() else {},
         }
-        self._write_json(self.directory / PROGRESS, progress)
 
     def describe(self) -> str:
         """Where the run stands, for the message printed on an interruption."""
@@ -343,8 +375,21 @@ class LayerStore:
         return f"stage {self.stage[0]} ({self.stage[1]}): {n} layer{'s' if n != 1 else ''} done"
 
     def has_progress(self) -> bool:
+        self._settle()
         return (self.directory / PROGRESS).is_file()
 
     def remove(self) -> None:
+        self._settle()
+        if self._committer is not None:
+            self._committer.shutdown()
+            self._committer = None
         shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _settle(self) -> None:
+        """Let the last commit finish (its own failure aside: the caller is already handling one,
+        or removing the state anyway)."""
+        try:
+            self.flush()
+        except OSError as exc:
+            log.warning("saving the last finished layer failed: %s", exc)
 

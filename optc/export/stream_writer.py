@@ -14,7 +14,6 @@ compact JSON header with ``__metadata__`` first, padded with spaces to a multipl
 from __future__ import annotations
 
 import json
-import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,11 +126,8 @@ def _write_bytes(fh, e: Entry) -> None:
         fh.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
-def write_file(
-    path: Path, entries: dict[str, Entry], metadata: dict[str, str] | None = None, *, durable: bool = False
-) -> None:
-    """Write one safetensors file from ``entries``; ``durable`` writes beside it, fsyncs and renames
-    (resume state must survive a crash of the machine, not just of the process)."""
+def write_file(path: Path, entries: dict[str, Entry], metadata: dict[str, str] | None = None) -> None:
+    """Write one safetensors file from ``entries``."""
     path = Path(path)
     order = sorted(entries, key=lambda k: (-_ENUM_ORDER.index(DTYPE_CODES[entries[k].dtype]), k))
     header: dict = {}
@@ -145,17 +141,11 @@ def write_file(
         offset += n
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * ((8 - len(raw) % 8) % 8)
-    target = path.with_name(f".{path.name}.tmp") if durable else path
-    with target.open("wb") as fh:
+    with path.open("wb") as fh:
         fh.write(struct.pack("<Q", len(raw)))
         fh.write(raw)
         for name in order:
             _write_bytes(fh, entries[name])
-        if durable:
-            fh.flush()
-            os.fsync(fh.fileno())
-    if durable:
-        os.replace(target, path)
 
 
 def write_sharded(
