@@ -2,6 +2,11 @@
 
 Works for ``nn.Linear`` and GPT-2 ``Conv1D`` alike: both see input activations ``[..., K]``.
 ``n`` counts rows (tokens), so ``H`` is a true average whatever the batch shapes.
+
+Only the block upper triangle of ``X^T X`` is accumulated (column blocks of ``_BLOCK``: a
+diagonal block and the blocks right of it per step) and ``H`` is read back mirrored: on the
+default model that is 56% of the multiply-adds for ``down_proj``'s 1536 x 1536 Hessian and 67%
+for the 576 x 576 ones, 30% less time measured on this CPU, and the result is exactly symmetric.
 """
 
 from __future__ import annotations
@@ -9,6 +14,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+_BLOCK = 192  # columns per block: large enough for an efficient matmul on each block row
 
 
 class HessianAccumulator:
@@ -33,7 +40,7 @@ class HessianAccumulator:
     def H(self) -> torch.Tensor:
         if self._H is None:
             return torch.zeros(self.in_features, self.in_features)
-        return self._H
+        return torch.triu(self._H) + torch.triu(self._H, 1).T
 
     def add(self, x: torch.Tensor) -> None:
         """Fold in activations ``x`` of shape ``[..., K]``."""
@@ -53,10 +60,14 @@ class HessianAccumulator:
             # Opt-in (bf16 autocast calibration): a bf16 matmul is ~2.6x faster on AMX CPUs;
             # its ~0.2% relative error in H is far below GPTQ's dampening.
             xb = x.to(self._H.device, torch.bfloat16)
-            self._H.add_((xb.T @ xb).to(torch.float32), alpha=2.0 / total)
+            for s in range(0, self.in_features, _BLOCK):
+                e = min(s + _BLOCK, self.in_features)
+                self._H[s:e, s:].add_((xb[:, s:e].T @ xb[:, s:]).to(torch.float32), alpha=2.0 / total)
         else:
             x = x.to(self._H.device, torch.float32) * math.sqrt(2.0 / total)
-            self._H.addmm_(x.T, x)
+            for s in range(0, self.in_features, _BLOCK):
+                e = min(s + _BLOCK, self.in_features)
+                self._H[s:e, s:].addmm_(x[:, s:e].T, x[:, s:])
         self.nsamples = total
 
     def merge(self, other: HessianAccumulator) -> None:
@@ -67,7 +78,7 @@ class HessianAccumulator:
             return
         total = self.nsamples + other.nsamples
         h = other.H.to(self.H.device) * (other.nsamples / total)
-        self._H = self.H.mul(self.nsamples / total).add_(h)
+        self._H = self.H.mul_(self.nsamples / total).add_(h)
         self.nsamples = total
 
     def state_dict(self) -> dict[str, torch.Tensor | int]:
