@@ -305,8 +305,9 @@ def run_sequential(
             step = LayerStep(i, name, layer, linears, batches, autocast=autocast,
                              row_offset=row_offset, world_tokens=world_tokens)
             layer_stats: dict = {}
+            feeds_next = i < len(layers) - 1  # nothing reads the last layer's outputs
             if linears and not propagate:
-                float_outputs = step.run()
+                float_outputs = step.run() if feeds_next else []
                 layer_stats = solve(step) or {}
                 distributed.broadcast_module(layer)
                 for b, out in zip(batches, float_outputs):
@@ -315,7 +316,8 @@ def run_sequential(
                 if linears:
                     layer_stats = solve(step) or {}
                     distributed.broadcast_module(layer)  # every rank propagates rank 0's layer
-                step.advance()
+                if feeds_next:
+                    step.advance()
             layer.to("cpu")
             trim()
             layer_stats.update(layer=name, seconds=round(time.perf_counter() - t0, 3))

@@ -34,6 +34,7 @@ from optc.compress.actquant import ActivationScheme, InputQuant
 from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize, quantize
 from optc.errors import OptcError
 from optc.export.shards import model_state_dict, read_safetensors, write_safetensors
+from optc.memory import trim
 
 log = logging.getLogger(__name__)
 
@@ -297,6 +298,7 @@ def write_pack_quantized(
         if f"{name}.weight" not in state and isinstance(module, torch.nn.Linear):
             raise OptcError(f"{name}.weight is tied to another tensor; a tied weight cannot be quantized alone")
         packed[name], key = pack_linear(name, module, p, targets[name])
+        trim()  # the packing temporaries (a few MB) would otherwise stay as heap fragments
         if key[2] != p.scheme.group_size:
             regrouped[name] = key[2]
         groups.setdefault(key, []).append(name)
