@@ -3,7 +3,7 @@
 # checkpoint, byte for byte, as an uninterrupted run. w4a16-gptq, 32 x 512 calibration tokens of
 # WikiText-2 validation, one thread in every run (the resume state is tied to the thread count).
 # Prints the sha256 of every file of both checkpoints; report.json is compared without its
-# timing fields. Usage: bench/resume_check.sh [OUT_DIR] [LAYER]  (OPTC_DATA: folder with the data)
+# timing fields and output path (report.md shows the timings, so it differs too). Usage: bench/resume_check.sh [OUT_DIR] [LAYER]  (OPTC_DATA: folder with the data)
 set -euo pipefail
 OUT=${1:-out/resume}
 LAYER=${2:-10}
@@ -30,14 +30,14 @@ echo "killed after $("$PY" -c "import json,sys; print(len(json.load(open(sys.arg
 
 "$OPTC" quantize "${ARGS[@]}" --output "$OUT/killed" --resume
 
-(cd "$OUT/straight" && find . -type f ! -name report.json | sort | xargs sha256sum) > "$OUT/straight.sha256"
-(cd "$OUT/killed" && find . -type f ! -name report.json | sort | xargs sha256sum) > "$OUT/killed.sha256"
+(cd "$OUT/straight" && find . -type f ! -name "report.*" | sort | xargs sha256sum) > "$OUT/straight.sha256"
+(cd "$OUT/killed" && find . -type f ! -name "report.*" | sort | xargs sha256sum) > "$OUT/killed.sha256"
 cat "$OUT/killed.sha256"
 "$PY" - "$OUT" <<'EOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-volatile = {"created", "environment", "timings", "seconds"}
+volatile = {"created", "environment", "timings", "seconds", "path"}  # path: the two output dirs
 def strip(x):
     if isinstance(x, dict):
         return {k: strip(v) for k, v in x.items() if k not in volatile}
