@@ -169,11 +169,11 @@ def _all_gather_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reduce_hessian(acc: HessianAccumulator) -> None:
-    # H * n is a plain sum over tokens, whatever each rank's share.
+    # A plain (float64, exact) sum over tokens, whatever each rank's share: the one-process H.
     state = acc.state_dict()
-    h_sum = state["H_sum"]
-    assert isinstance(h_sum, torch.Tensor)
-    acc.load_state_dict({"H_sum": _sum(h_sum), "nsamples": _count(int(state["nsamples"]))})
+    s = state["S"]
+    assert isinstance(s, torch.Tensor)
+    acc.load_state_dict({"S": _sum(s), "nsamples": _count(int(state["nsamples"]))})
 
 
 def _reduce_feature_norm(acc: FeatureNormAccumulator) -> None:
