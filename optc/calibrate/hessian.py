@@ -50,11 +50,16 @@ class HessianAccumulator:
         K = self.in_features
         if self._rows is None or self.nsamples == 0:
             return torch.zeros(K, K)
-        device = self._rows[0].device
-        H = torch.empty(K, K, device=device)
+        # Filled and mirrored block by block: no K x K temporary besides H itself (a 5632 x
+        # 5632 one is 127 MB).
+        H = torch.empty(K, K, device=self._rows[0].device)
         for s, row in zip(self._starts, self._rows):
-            H[s:s + row.shape[0], s:] = row * (2.0 / self.nsamples)
-        return torch.triu(H) + torch.triu(H, 1).T
+            e = s + row.shape[0]
+            H[s:e, s:] = row * (2.0 / self.nsamples)
+            D = H[s:e, s:e]
+            D.copy_(torch.triu(D) + torch.triu(D, 1).T)
+            H[e:, s:e] = H[s:e, e:].T
+        return H
 
     def add(self, x: torch.Tensor) -> None:
         """Fold in activations ``x`` of shape ``[..., K]``."""
