@@ -366,23 +366,30 @@ def read_pack_quantized(
     return state, qparams
 
 
-def dequantize_packed(
-    name: str, tensors: dict[str, torch.Tensor], qc: dict
-) -> tuple[torch.Tensor, QuantParams]:
-    """Module ``name``'s float weight and params from its pack-quantized tensors, which are
-    taken out of ``tensors``; ``qc`` is the checkpoint's ``quantization_config``."""
+def _weight_scheme(name: str, qc: dict, formats: tuple[str, ...]) -> tuple[dict, QuantScheme]:
+    """Module ``name``'s config group in ``quantization_config`` ``qc`` and its weight scheme;
+    the group's format must be one of ``formats`` (the first names it in the error)."""
     group = _scheme_for(name, qc["config_groups"])
     fmt = group.get("format") or qc.get("format")
     args = group["weights"]
-    if fmt != FORMAT or args.get("type", "int") != "int":
-        raise OptcError(f"{name}: format {fmt!r} / type {args.get('type')!r} is not int {FORMAT}")
+    if fmt not in formats or args.get("type", "int") != "int":
+        raise OptcError(f"{name}: format {fmt!r} / type {args.get('type')!r} is not int {formats[0]}")
     if args.get("strategy") not in ("group", "channel"):
-        raise OptcError(f"{name}: strategy {args.get('strategy')!r} is not supported")
+        raise OptcError(f"{name}: weight strategy {args.get('strategy')!r} is not supported")
     scheme = QuantScheme(
         bits=args["num_bits"],
         symmetric=args.get("symmetric", True),
         group_size=args["group_size"] if args["strategy"] == "group" else None,
     )
+    return group, scheme
+
+
+def dequantize_packed(
+    name: str, tensors: dict[str, torch.Tensor], qc: dict
+) -> tuple[torch.Tensor, QuantParams]:
+    """Module ``name``'s float weight and params from its pack-quantized tensors, which are
+    taken out of ``tensors``; ``qc`` is the checkpoint's ``quantization_config``."""
+    _, scheme = _weight_scheme(name, qc, (FORMAT,))
     n, k = (int(v) for v in tensors.pop(f"{name}.weight_shape"))
     scale = tensors.pop(f"{name}.weight_scale")
     zp = tensors.pop(f"{name}.weight_zero_point", None)
@@ -559,18 +566,7 @@ def read_compressed_tensors(
     input_quant: dict[str, InputQuant] = {}
     names = [k.removesuffix(".weight_scale") for k in list(state) if k.endswith(".weight_scale")]
     for name in names:
-        group = _scheme_for(name, qc["config_groups"])
-        fmt = group.get("format") or qc.get("format")
-        args = group["weights"]
-        if fmt not in (INT_FORMAT, "naive-quantized") or args.get("type", "int") != "int":
-            raise OptcError(f"{name}: format {fmt!r} / type {args.get('type')!r} is not int {INT_FORMAT}")
-        if args.get("strategy") not in ("group", "channel"):
-            raise OptcError(f"{name}: weight strategy {args.get('strategy')!r} is not supported")
-        scheme = QuantScheme(
-            bits=args["num_bits"],
-            symmetric=args.get("symmetric", True),
-            group_size=args["group_size"] if args["strategy"] == "group" else None,
-        )
+        group, scheme = _weight_scheme(name, qc, (INT_FORMAT, "naive-quantized"))
         q = state[f"{name}.weight"]
         scale = state.pop(f"{name}.weight_scale")
         zp = state.pop(f"{name}.weight_zero_point", None)
