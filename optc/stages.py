@@ -23,7 +23,7 @@ from optc.calibrate.modules import check_patterns, select_linears, set_weight_2d
 from optc.calibrate.modules import find_decoder_layers
 from optc.calibrate.observers import ActivationStats, MinMaxObserver
 from optc.calibrate.sequential import LayerStep, run_sequential
-from optc.calibrate.stats import Discard, FeatureNormAccumulator, InputSampler
+from optc.calibrate.stats import Discard, FeatureNormAccumulator, GramAccumulator
 from optc.compress.actquant import (
     ActivationScheme,
     attach_input_quant,
@@ -31,8 +31,8 @@ from optc.compress.actquant import (
     observer_ranges,
     solve_input_quant,
 )
-from optc.compress.awq import apply_scale, awq_search_clip, awq_search_scale, resolve_mappings
-from optc.compress.gptq import GPTQResult, gptq_quantize
+from optc.compress.awq import apply_scale, awq_search_clip, awq_search_scale, resolve_mappings, scaled_gram
+from optc.compress.gptq import GPTQResult, gptq_quantize, refit_scales
 from optc.compress.masks import nm_mask, nm_violations, parse_pattern, unstructured_mask
 from optc.compress.owl import outlier_ratio, owl_sparsities
 from optc.compress.quant import (
@@ -265,8 +265,10 @@ class AWQStage(_WeightQuantStage):
     grid: int = Field(20, gt=0, description="alpha values tried in [0, 1)")
     duo_scaling: bool = True
     clip: bool = Field(True, description="search a weight clipping ratio per group")
-    sample_tokens: int = Field(8192, gt=0, description="token rows kept per input for the search")
-    observer: Literal["minmax", "mse"] = "minmax"
+    refit_scales: bool = Field(True, description="least-squares scales for the final codes")
+    observer: Literal["minmax", "mse"] = Field(
+        "minmax", description="grids of the Linears that get no clip search (q/k, or clip: false)"
+    )
 
 
 def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
@@ -277,13 +279,14 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
         full = {m.prev_name: [f"{step.name}.{n}" for n in m.linear_names] for m in mappings}
         names = sorted({n for group in full.values() for n in group} | set(step.linears))
         names = [n for n in names if n in step.linears and cfg.scheme_for(n) is not None]
-        total = step.tokens
-        accs = step.collect(
-            names,
-            lambda n, m: InputSampler(
-                weight_2d(m).shape[1], total, cfg.sample_tokens, ws.calibration.seed, first_row=step.row_offset
-            ),
-        )
+        dtype = ws.calibration.autocast_dtype()
+        accs = step.collect(names, lambda n, m: GramAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype))
+        grams = {id(a): a.gram for a in accs.values()}  # one per distinct input
+
+        def clipped(name: str) -> bool:
+            # Clipping q/k distorts attention logits more than it saves (as in AutoAWQ).
+            return cfg.clip and not re.search(r"(q_proj|k_proj|c_attn)$", name)
+
         scales: dict[str, torch.Tensor] = {}
         for m in mappings:
             group = [n for n in full[m.prev_name] if n in accs]
@@ -294,25 +297,27 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
                 continue
             acc = accs[group[0]]
             res = awq_search_scale(
-                acc.sample, [weight_2d(step.linears[n]).detach() for n in group], scheme,
-                grid=cfg.grid, duo_scaling=cfg.duo_scaling, x_mean=acc.mean_abs,
+                grams[id(acc)], acc.mean_abs, [weight_2d(step.linears[n]).detach() for n in group], scheme,
+                grid=cfg.grid, duo_scaling=cfg.duo_scaling, clip=[clipped(n) for n in group], tie=m.tie,
             )
-            apply_scale(m.prev, m.linears, res.scale)
+            apply_scale(m.prev, m.linears, res.scale, m.tie)
             for n in group:
                 scales[n] = res.scale
         for name in names:
             module = step.linears[name]
             scheme = cfg.scheme_for(name)
             w = weight_2d(module).detach()
-            clip: torch.Tensor | float = 1.0
-            # Clipping q/k distorts attention logits more than it saves (as in AutoAWQ).
-            if cfg.clip and not re.search(r"(q_proj|k_proj|c_attn)$", name):
-                x = accs[name].sample
-                if name in scales:
-                    x = x / scales[name]
-                clip = awq_search_clip(x, w, scheme)
-            p = compute_qparams(w, scheme, clip=clip)
-            per_module[name] = _record_quantized(ws, name, module, fake_quantize(w, p), p)
+            G = grams[id(accs[name])]
+            if name in scales:  # the scaled weights see the input divided by s
+                G = scaled_gram(G, scales[name])
+            if clipped(name):
+                p = compute_qparams(w, scheme, clip=awq_search_clip(G, w, scheme))
+            else:
+                p = choose_qparams(w, scheme, cfg.observer)
+            w_hat = fake_quantize(w, p)
+            if cfg.refit_scales:
+                w_hat, p = refit_scales(w.float(), G, w_hat, p)
+            per_module[name] = _record_quantized(ws, name, module, w_hat.to(w.dtype), p)
         return {}
 
     layers = _run_calibration(ws, cfg, solve, "awq", records=per_module)

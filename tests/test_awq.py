@@ -6,7 +6,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from optc.calibrate.modules import find_decoder_layers, weight_2d
-from optc.compress.awq import apply_scale, awq_search_clip, awq_search_scale, resolve_mappings
+from optc.compress.awq import apply_scale, awq_search_clip, awq_search_scale, gram, resolve_mappings, scaled_gram
 from optc.compress.quant import QuantScheme, compute_qparams, fake_quantize
 from optc.errors import OptcError
 from optc.testing import TINY_ARCHS, tiny_config, tiny_model, tiny_tokens
@@ -14,6 +14,7 @@ from optc.testing import TINY_ARCHS, tiny_config, tiny_model, tiny_tokens
 EXPECTED = {
     "llama": [
         ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+        ("self_attn.v_proj", ["self_attn.o_proj"]),  # grouped-query: scales tied per kv head
         ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"]),
         ("mlp.up_proj", ["mlp.down_proj"]),
     ],
@@ -44,6 +45,32 @@ def test_resolve_mappings_mha_keeps_v_to_o() -> None:
     model = AutoModelForCausalLM.from_config(cfg)
     _, layers = find_decoder_layers(model)
     assert ("self_attn.v_proj", ["self_attn.o_proj"]) in _names(layers[0])
+    assert all(m.tie is None for m in resolve_mappings(layers[0]))
+
+
+def test_grouped_query_tie_maps_query_heads_to_their_kv_head() -> None:
+    cfg = tiny_config("llama")  # 6 query heads over 2 key/value heads, head_dim 8
+    _, layers = find_decoder_layers(AutoModelForCausalLM.from_config(cfg))
+    (tie,) = [m.tie for m in resolve_mappings(layers[0]) if m.prev_name == "self_attn.v_proj"]
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    assert tie.shape == (cfg.hidden_size,)
+    assert tie[: 3 * hd].tolist() == list(range(hd)) * 3  # heads 0-2 read kv head 0
+    assert tie[3 * hd :].tolist() == list(range(hd, 2 * hd)) * 3
+
+
+def test_search_scale_tied_is_constant_per_group() -> None:
+    x, ws = _outlier_data(96, 32, seed=3)
+    tie = torch.arange(96) % 24  # 24 free scales, each repeated 4 times
+    res = awq_search_scale(gram(x), x.abs().mean(0), ws, QuantScheme(bits=4, group_size=32), tie=tie)
+    free = torch.zeros(24).scatter_(0, tie, res.scale)
+    assert torch.equal(free[tie], res.scale)
+    assert res.loss <= res.loss_no_scale
+
+
+def test_apply_scale_refuses_untied_scales() -> None:
+    lin_prev, lin = nn.Linear(8, 4), nn.Linear(8, 3)
+    with pytest.raises(ValueError, match="tied"):
+        apply_scale(lin_prev, [lin], torch.linspace(1, 2, 8), torch.arange(8) % 4)
 
 
 def test_resolve_mappings_unknown_layer() -> None:
@@ -69,7 +96,9 @@ def test_apply_scale_preserves_logits(arch: str) -> None:
             k = weight_2d(m.linears[0]).shape[1]
             s = torch.exp(0.5 * torch.randn(k, generator=g))
             before = weight_2d(m.linears[0]).clone()
-            apply_scale(m.prev, m.linears, s)
+            if m.tie is not None:  # one free scale per v output, repeated over its query heads
+                s = s[: int(m.tie.max()) + 1][m.tie]
+            apply_scale(m.prev, m.linears, s, m.tie)
             assert not torch.allclose(before, weight_2d(m.linears[0]))
     with torch.no_grad():
         out = model(tokens).logits
@@ -109,7 +138,7 @@ def _out_mse(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
 def test_search_scale_beats_rtn(k: int, group: int | None, duo: bool) -> None:
     scheme = QuantScheme(bits=4, group_size=group)
     x, ws = _outlier_data(k, 128, seed=k)
-    res = awq_search_scale(x, ws, scheme, duo_scaling=duo)
+    res = awq_search_scale(gram(x), x.abs().mean(0), ws, scheme, duo_scaling=duo)
     assert res.scale.shape == (k,)
     w = torch.cat(ws)
     rtn = _out_mse(x, w, fake_quantize(w, compute_qparams(w, scheme)))
@@ -123,9 +152,9 @@ def test_search_scale_beats_rtn(k: int, group: int | None, duo: bool) -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_search_scale_never_worse_than_unscaled(seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(64, 96, generator=g)  # fewer tokens than channels: the direct path
+    x = torch.randn(64, 96, generator=g)  # fewer tokens than channels: a singular Gram matrix
     ws = [torch.randn(48, 96, generator=g)]
-    res = awq_search_scale(x, ws, QuantScheme(bits=3, group_size=32), grid=5)
+    res = awq_search_scale(gram(x), x.abs().mean(0), ws, QuantScheme(bits=3, group_size=32), grid=5)
     assert res.loss <= res.loss_no_scale
     if res.ratio == 0.0:
         assert torch.equal(res.scale, torch.ones(96))
@@ -138,7 +167,7 @@ def test_search_clip_reduces_error(k: int, group: int | None) -> None:
     x = torch.randn(2048, k)
     # Heavy-tailed weights: a few large entries waste most of a min-max grid.
     w = torch.distributions.StudentT(2.0).sample((64, k))
-    clip = awq_search_clip(x, w, scheme)
+    clip = awq_search_clip(gram(x), w, scheme)
     assert clip.shape == (64, scheme.num_groups(k))
     assert (clip <= 1).all() and (clip > 0.5).all() and (clip < 1).any()
     plain = _out_mse(x, w, fake_quantize(w, compute_qparams(w, scheme)))
@@ -157,6 +186,25 @@ def test_apply_scale_half_precision(dtype: torch.dtype) -> None:
     _, layers = find_decoder_layers(tiny_model("llama").to(dtype))
     g = torch.Generator().manual_seed(2)
     for m in resolve_mappings(layers[0]):
-        k = weight_2d(m.linears[0]).shape[1]
-        apply_scale(m.prev, m.linears, torch.exp(torch.randn(k, generator=g)))
+        s = torch.exp(torch.randn(weight_2d(m.linears[0]).shape[1], generator=g))
+        apply_scale(m.prev, m.linears, s if m.tie is None else s[m.tie], m.tie)
         assert m.prev.weight.dtype == dtype
+
+
+def test_search_scale_with_clip_measures_the_clipped_quantizer() -> None:
+    # s is chosen for the quantizer that will be used: Q with awq_search_clip's ranges.
+    scheme = QuantScheme(bits=4, group_size=64)
+    x, ws = _outlier_data(200, 96, seed=7)
+    G, x_mean = gram(x), x.abs().mean(0)
+
+    def clipped_mse(s: torch.Tensor) -> float:
+        w = torch.cat(ws)
+        ws_ = w * s
+        p = compute_qparams(ws_, scheme, clip=awq_search_clip(scaled_gram(G, s), ws_, scheme))
+        return _out_mse(x, w, fake_quantize(ws_, p) / s)
+
+    joint = awq_search_scale(G, x_mean, ws, scheme, clip=[True, True])
+    plain = awq_search_scale(G, x_mean, ws, scheme)
+    assert joint.loss == pytest.approx(clipped_mse(joint.scale), rel=1e-3)
+    assert joint.loss <= clipped_mse(plain.scale) * (1 + 1e-6)
+    assert joint.loss <= joint.loss_no_scale < plain.loss_no_scale  # clipping helps even unscaled

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from optc.calibrate import distributed
 from optc.calibrate.hessian import HessianAccumulator
 from optc.calibrate.observers import ActivationStats, HistogramObserver, MinMaxObserver, MovingAverageMinMaxObserver
-from optc.calibrate.stats import FeatureNormAccumulator, InputSampler
+from optc.calibrate.stats import FeatureNormAccumulator, GramAccumulator, InputSampler
 from optc.pipeline import run_recipe
 from optc.recipe import parse_recipe
 
@@ -58,6 +58,7 @@ def _accumulators(tokens: int, first_row: int) -> dict:
         "hessian": HessianAccumulator(K),
         "norms": FeatureNormAccumulator(K),
         "sampler": InputSampler(K, tokens, max_tokens=40, seed=3, first_row=first_row),
+        "gram": GramAccumulator(K),
         "minmax": MinMaxObserver(K),
         "moving": MovingAverageMinMaxObserver(0.3),
         "histogram": HistogramObserver(64),
@@ -89,6 +90,8 @@ def _reduce_worker(rank: int) -> None:
     torch.testing.assert_close(d["norms"].sq_norm, s["norms"].sq_norm, rtol=1e-12, atol=0)
     assert torch.equal(d["sampler"].sample, s["sampler"].sample)  # the very same rows
     torch.testing.assert_close(d["sampler"].mean_abs, s["sampler"].mean_abs, rtol=1e-12, atol=0)
+    assert torch.equal(d["gram"].gram, s["gram"].gram) and d["gram"].count == s["gram"].count == tokens
+    torch.testing.assert_close(d["gram"].mean_abs, s["gram"].mean_abs, rtol=1e-12, atol=0)
     assert torch.equal(d["minmax"].min, s["minmax"].min) and torch.equal(d["minmax"].max, s["minmax"].max)
     assert (d["moving"].min, d["moving"].max) == (s["moving"].min, s["moving"].max)
     assert d["histogram"].width == s["histogram"].width
@@ -104,7 +107,7 @@ def _reduce_worker(rank: int) -> None:
 CALIBRATION = {"dataset": "builtin", "samples": 8, "seqlen": 64, "batch_size": 2}
 RECIPES = {
     "gptq": ({"type": "gptq", "scheme": {"bits": 4, "group_size": 32}}, "dense"),
-    "awq": ({"type": "awq", "scheme": {"bits": 4, "group_size": 32}, "grid": 8, "sample_tokens": 128}, "dense"),
+    "awq": ({"type": "awq", "scheme": {"bits": 4, "group_size": 32}, "grid": 8}, "dense"),
     # Static activation scales from the order-dependent observers (KL histogram, moving average).
     "w8a8": ({"type": "w8a8", "method": "rtn", "activations": {"observer": "kl"},
               "activation_overrides": [{"pattern": "mlp", "activations": {"observer": "moving_minmax"}}]},

@@ -36,7 +36,7 @@ from optc.calibrate.observers import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
 )
-from optc.calibrate.stats import Discard, FeatureNormAccumulator, InputSampler
+from optc.calibrate.stats import Discard, FeatureNormAccumulator, GramAccumulator, InputSampler
 from optc.errors import OptcError
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,12 @@ def _reduce_feature_norm(acc: FeatureNormAccumulator) -> None:
     acc.count = _count(acc.count)
 
 
+def _reduce_gram(acc: GramAccumulator) -> None:
+    _reduce_hessian(acc.hessian)
+    acc.abs_sum = _sum(acc.abs_sum)
+    acc.count = _count(acc.count)
+
+
 def _reduce_sampler(acc: InputSampler) -> None:
     acc.abs_sum = _sum(acc.abs_sum)
     acc.count = _count(acc.count)
@@ -226,6 +232,7 @@ REDUCERS: dict[type, Callable[[Any], None]] = {
     HessianAccumulator: _reduce_hessian,
     FeatureNormAccumulator: _reduce_feature_norm,
     InputSampler: _reduce_sampler,
+    GramAccumulator: _reduce_gram,
     MinMaxObserver: _reduce_minmax,
     MovingAverageMinMaxObserver: _reduce_moving,
     HistogramObserver: _reduce_histogram,

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from optc.calibrate.hessian import HessianAccumulator
+
 
 def _mix(seed: int, row: int) -> int:
     """One 63-bit generator seed from (seed, row), distinct for distinct rows."""
@@ -72,6 +74,38 @@ class FeatureNormAccumulator:
     @property
     def sq_norm(self) -> torch.Tensor:
         return (self.sq_sum / max(1, self.count)).float()
+
+
+class GramAccumulator:
+    """AWQ's statistics of one input over every token: ``H`` (a :class:`HessianAccumulator`)
+    and the per-channel mean ``|x|``.
+
+    With the Gram matrix the output error of any weight error ``D`` over all calibration
+    tokens is ``tr(D G D^T)``, ``G = X^T X / T``: every candidate of a search is measured on all
+    the data at ``K / T`` of the cost of multiplying by ``X``, and memory does not grow with
+    the calibration set.
+    """
+
+    def __init__(self, in_features: int, matmul_dtype: torch.dtype | None = None) -> None:
+        self.in_features = in_features
+        self.hessian = HessianAccumulator(in_features, matmul_dtype=matmul_dtype)
+        self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
+        self.count = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, self.in_features)
+        self.hessian.add(x)
+        self.abs_sum += x.float().abs().sum(dim=0).double().cpu()
+        self.count += x.shape[0]
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abs_sum / max(1, self.count)).float()
+
+    @property
+    def gram(self) -> torch.Tensor:
+        """``X^T X / T`` (the Hessian accumulator keeps GPTQ's ``2 / T`` convention)."""
+        return self.hessian.H * 0.5
 
 
 class Discard:

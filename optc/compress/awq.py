@@ -51,105 +51,142 @@ def _group_view(t: torch.Tensor, group_size: int | None) -> torch.Tensor:
     return t.reshape(*t.shape[:-1], groups, g)
 
 
-def _sse_fn(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``D -> sum((X D^T)^2)``: the squared output error of a weight error ``D`` on ``X``.
+def gram(X: torch.Tensor) -> torch.Tensor:
+    """``G = X^T X / T`` of activations ``[..., K]``: the statistic both searches take."""
+    x = X.detach().reshape(-1, X.shape[-1]).float()
+    return x.T @ x / max(1, x.shape[0])
 
-    With more tokens than channels the Gram form ``sum((D H) * D)``, ``H = X^T X``, is the
-    same number at ``K/T`` of the cost (float32 agrees with a float64 reference to ~1e-7
-    relative, even with 300x outlier channels).
-    """
-    t, k = x.shape
-    if t <= k:
-        return lambda d: (x @ d.T).pow_(2).sum()
-    h = x.T @ x
-    return lambda d: ((d @ h) * d).sum()
+
+def _output_mse(D: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """Mean squared output error ``||X D^T||^2 / (T N)`` of a weight error ``D`` [N, K]."""
+    return ((D @ G) * D).sum() / D.shape[0]
 
 
 def awq_search_scale(
-    X: torch.Tensor,
+    G: torch.Tensor,
+    x_mean: torch.Tensor,
     weights: Sequence[torch.Tensor],
     scheme: QuantScheme,
     *,
     grid: int = 20,
     duo_scaling: bool = True,
-    x_mean: torch.Tensor | None = None,
+    clip: Sequence[bool] | None = None,
+    refine: int = 3,
+    tie: torch.Tensor | None = None,
 ) -> AWQScaleResult:
-    """Per-input-channel scale ``s`` for Linears that share the input ``X`` (§3.2).
+    """Per-input-channel scale ``s`` for Linears that share one input (§3.2).
 
-    Searches ``s = x_mean^alpha / w_mean^(1 - alpha)`` (``duo_scaling``; else
-    ``x_mean^alpha``) over ``alpha = i / grid``, minimising
-    ``|| X W^T - (X / s) Q(W s)^T ||^2`` over all rows of all ``weights`` (concatenated, which
-    does not change the per-row groups). ``s = 1`` is always a candidate, so the result never
-    does worse than plain RTN on ``X``. ``x_mean`` (mean ``|X|`` per channel) may be passed
-    when it was accumulated over more tokens than the sample ``X``.
+    ``G`` is the input's Gram matrix ``X^T X / T`` over every calibration token and
+    ``x_mean`` its mean ``|x|`` per channel. Searches ``s = x_mean^alpha / w_mean^(1 - alpha)``
+    (``duo_scaling``; else ``x_mean^alpha``) over ``alpha = i / grid``, minimising the
+    output error ``|| X W^T - (X / s) Q(W s)^T ||^2 = tr(D G D^T)``, ``D = W - Q(W s) / s``,
+    over all rows of all ``weights``. ``s = 1`` is always a candidate, so the result never
+    does worse than plain RTN.
+
+    ``clip[i]`` says that ``weights[i]`` will be quantized with :func:`awq_search_clip`'s
+    ranges: the ``refine`` best candidates (and ``s = 1``) are then measured again with their
+    own clip search, so ``s`` is chosen for the quantizer that will really be used (the
+    reference code searches ``s`` with plain min-max grids and clips afterwards).
+
+    ``tie`` (``[K]`` group indices, see :func:`apply_scale`) makes every candidate constant
+    on each group: the geometric mean of its channels' values.
     """
-    x = X.detach().reshape(-1, X.shape[-1]).float()
-    w = torch.cat([wi.detach().float().to(x.device) for wi in weights], dim=0)
-    n_tokens, n_rows = x.shape[0], w.shape[0]
-    if x_mean is None:
-        x_mean = x.abs().mean(dim=0)
-    x_mean = x_mean.float().to(x.device)
+    G = G.float()
+    ws_ = [wi.detach().float().to(G.device) for wi in weights]
+    clip = [False] * len(ws_) if clip is None else list(clip)
+    if len(clip) != len(ws_):
+        raise ValueError(f"clip has {len(clip)} entries for {len(ws_)} weights")
+    w = torch.cat(ws_, dim=0)
+    x_mean = x_mean.float().to(G.device)
     # w_mean: |W| normalised by each (row, group)'s max, then averaged over rows; the
     # reference code's measure of how salient each input channel is to the weights.
     aw = _group_view(w.abs(), scheme.group_size)
     w_mean = (aw / (aw.amax(dim=-1, keepdim=True) + 1e-6)).flatten(1)[:, : w.shape[1]].mean(0)
 
-    sse = _sse_fn(x)
-    denom = n_tokens * n_rows
-
-    def loss_of(s: torch.Tensor) -> float:
-        # Q(W s) / s applied to X equals Q(W s) applied to X / s: one matmul per candidate.
-        ws = w * s
-        w_hat = fake_quantize(ws, compute_qparams(ws, scheme)) / s
-        return sse(w - w_hat).item() / denom
+    def loss_of(s: torch.Tensor, with_clip: bool) -> float:
+        # Q(W s) / s applied to X equals Q(W s) applied to X / s.
+        Gs = scaled_gram(G, s) if with_clip else G
+        err = 0.0
+        for wi, ci in zip(ws_, clip):
+            wsi = wi * s
+            rng = awq_search_clip(Gs, wsi, scheme) if ci and with_clip else 1.0
+            err += _output_mse(wi - fake_quantize(wsi, compute_qparams(wsi, scheme, clip=rng)) / s, G).item() * wi.shape[0]
+        return err / w.shape[0]
 
     ones = torch.ones_like(x_mean)
-    loss_no_scale = loss_of(ones)
-    best = AWQScaleResult(ones, 0.0, loss_no_scale, loss_no_scale)
+    candidates: list[tuple[float, torch.Tensor]] = []
     for i in range(grid):
         alpha = i / grid
         if duo_scaling:
             s = (x_mean.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)).clamp(min=1e-4)
         else:
             s = x_mean.pow(alpha).clamp(min=1e-4)
+        if tie is not None:
+            t = tie.to(s.device)
+            log_s = torch.zeros(int(t.max()) + 1, device=s.device).index_add_(0, t, s.log())
+            s = (log_s / torch.bincount(t).clamp_min(1)).exp()[t]
         # Centre s in log space so neither the weights nor the folded norm blow up.
         s = s / (s.max() * s.min()).sqrt()
-        s = torch.where(torch.isfinite(s), s, ones)
-        loss = loss_of(s)
+        candidates.append((alpha, torch.where(torch.isfinite(s), s, ones)))
+    plain = [loss_of(s, False) for _, s in candidates]
+    if any(clip):
+        # A clip search per candidate costs about ten plain measurements: the grid is ranked
+        # with min-max grids and only its best few are measured with clipping.
+        order = sorted(range(grid), key=plain.__getitem__)[:refine]
+        loss_no_scale = loss_of(ones, True)
+        measured = [(candidates[i], loss_of(candidates[i][1], True)) for i in order]
+    else:
+        loss_no_scale = loss_of(ones, False)
+        measured = list(zip(candidates, plain))
+    best = AWQScaleResult(ones, 0.0, loss_no_scale, loss_no_scale)
+    for (alpha, s), loss in measured:
         if loss < best.loss:
             best = AWQScaleResult(s, alpha, loss, loss_no_scale)
     log.debug("awq scale: alpha=%.2f loss %.4g (rtn %.4g)", best.ratio, best.loss, loss_no_scale)
     return best
 
 
+def scaled_gram(G: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The Gram matrix of ``X / s`` (the input the scaled weights ``W s`` see)."""
+    inv = 1.0 / s.float().to(G.device)
+    return G * inv[:, None] * inv[None, :]
+
+
 # --------------------------------------------------------------------------------------------
 # Weight clipping (the reference code's ``auto_clip``)
 
 
+def _group_blocks(G: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """The diagonal ``g x g`` blocks of ``G`` [K, K] as ``[groups, g, g]`` (a short last
+    group zero-padded, which adds nothing to any error)."""
+    k = G.shape[0]
+    g = k if group_size is None else group_size
+    groups = math.ceil(k / g)
+    pad = groups * g - k
+    Gp = nn.functional.pad(G, (0, pad, 0, pad)) if pad else G
+    idx = torch.arange(groups, device=G.device)
+    return Gp.reshape(groups, g, groups, g)[idx, :, idx, :]
+
+
 def awq_search_clip(
-    X: torch.Tensor,
+    G: torch.Tensor,
     W: torch.Tensor,
     scheme: QuantScheme,
     *,
     grid: int = 20,
     max_shrink: float = 0.5,
-    n_tokens: int | None = 512,
 ) -> torch.Tensor:
     """Per-(row, group) range shrink ``[N, G]`` for ``compute_qparams(W, scheme, clip=...)``.
 
     For each group the error measured is that of the group's own contribution to the output,
     ``X_g W_g^T`` versus ``X_g Q(W_g)^T`` (AutoAWQ ``_compute_best_clip``), over shrink
-    factors ``1 - i/grid`` for ``i < max_shrink * grid``. ``X`` is strided down to about
-    ``n_tokens`` rows as in the reference (``None`` keeps all). Pass the already-scaled
-    ``W * s`` and ``X / s`` when clipping after :func:`awq_search_scale`.
+    factors ``1 - i/grid`` for ``i < max_shrink * grid``. The reference measures it on 512
+    sampled tokens; the diagonal blocks of the Gram matrix ``G`` give it on all of them. Pass
+    the already-scaled ``W * s`` and :func:`scaled_gram` when clipping after
+    :func:`awq_search_scale`.
     """
-    x = X.detach().reshape(-1, X.shape[-1]).float()
-    w = W.detach().float().to(x.device)
-    if n_tokens is not None:
-        x = x[:: max(1, x.shape[0] // n_tokens)]
-    # Per-group Gram matrices make every candidate cost N*K*g instead of T*N*K.
-    xg = _group_view(x, scheme.group_size).transpose(0, 1)  # [G, T, g]
-    h = xg.transpose(1, 2) @ xg  # [G, g, g]
+    w = W.detach().float().to(G.device)
+    h = _group_blocks(G.float(), scheme.group_size)  # [G, g, g]
 
     def group_err(clip: float) -> torch.Tensor:
         d = w - fake_quantize(w, compute_qparams(w, scheme, clip=clip))
@@ -179,6 +216,9 @@ class MappingSpec:
     linears: tuple[str, ...]
     # (layer, prev, linears) -> whether folding is valid for this instance.
     condition: Callable[[nn.Module, nn.Module, list[nn.Module]], bool] | None = None
+    # (layer, prev, linears) -> which output of prev feeds each input of linears (``[K]``
+    # indices), when one output feeds several inputs; None: one to one.
+    tie: Callable[[nn.Module, nn.Module, list[nn.Module]], torch.Tensor | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -195,6 +235,7 @@ class Mapping:
     prev: nn.Module
     linear_names: list[str]
     linears: list[nn.Module]
+    tie: torch.Tensor | None = None  # see MappingSpec.tie
 
 
 def _out_features(m: nn.Module) -> int:
@@ -202,9 +243,35 @@ def _out_features(m: nn.Module) -> int:
 
 
 def _prev_feeds_linears(_layer: nn.Module, prev: nn.Module, linears: list[nn.Module]) -> bool:
-    # v_proj -> o_proj under GQA: v has fewer outputs than o has inputs (heads are repeated),
-    # so one s per v output cannot be folded exactly.
     return all(weight_2d(lin).shape[1] == _out_features(prev) for lin in linears)
+
+
+def _attention_of(layer: nn.Module, prev: nn.Module) -> nn.Module | None:
+    return next((m for m in layer.modules() if any(c is prev for c in m.children())), None)
+
+
+def _grouped_kv_heads(layer: nn.Module, prev: nn.Module, linears: list[nn.Module]) -> torch.Tensor | None:
+    """v_proj -> o_proj under grouped-query attention: query head ``h`` reads key/value head
+    ``h // groups``, so o's input channel ``(h, d)`` is v's output ``(h // groups, d)``.
+    None when the attention module does not say how it repeats its heads."""
+    k, n = weight_2d(linears[0]).shape[1], _out_features(prev)
+    attn = _attention_of(layer, prev)
+    head_dim = getattr(attn, "head_dim", None)
+    groups = getattr(attn, "num_key_value_groups", None)
+    if not (isinstance(head_dim, int) and isinstance(groups, int)) or n * groups != k or n % head_dim:
+        return None
+    c = torch.arange(k)
+    return (c // head_dim // groups) * head_dim + c % head_dim
+
+
+def _v_feeds_o(layer: nn.Module, prev: nn.Module, linears: list[nn.Module]) -> bool:
+    # With more o inputs than v outputs (grouped-query attention) the scale is tied: one s
+    # per v output, repeated over the query heads that read it.
+    return _prev_feeds_linears(layer, prev, linears) or _grouped_kv_heads(layer, prev, linears) is not None
+
+
+def _v_to_o_tie(layer: nn.Module, prev: nn.Module, linears: list[nn.Module]) -> torch.Tensor | None:
+    return None if _prev_feeds_linears(layer, prev, linears) else _grouped_kv_heads(layer, prev, linears)
 
 
 def _norm_before(layer: nn.Module, _prev: nn.Module, _linears: list[nn.Module]) -> bool:
@@ -218,7 +285,7 @@ AWQ_MAPPINGS: tuple[ArchMappings, ...] = (
     # Llama, Qwen2, Mistral (and other Llama-layout models).
     ArchMappings("llama", (
         MappingSpec(r"input_layernorm", _QKV),
-        MappingSpec(r"self_attn\.v_proj", (r"self_attn\.o_proj",), _prev_feeds_linears),
+        MappingSpec(r"self_attn\.v_proj", (r"self_attn\.o_proj",), _v_feeds_o, _v_to_o_tie),
         MappingSpec(r"post_attention_layernorm", (r"mlp\.gate_proj", r"mlp\.up_proj")),
         # act(gate) * up is linear in up, so up's outputs can absorb 1/s.
         MappingSpec(r"mlp\.up_proj", (r"mlp\.down_proj",)),
@@ -262,7 +329,8 @@ def resolve_mappings(
             if spec.condition is not None and not spec.condition(layer, prev, linears):
                 log.debug("awq: skip %s -> %s (%s)", prev_name, linear_names, arch.name)
                 continue
-            out.append(Mapping(prev_name, prev, linear_names, linears))
+            tie = spec.tie(layer, prev, linears) if spec.tie is not None else None
+            out.append(Mapping(prev_name, prev, linear_names, linears, tie))
         return out
     raise OptcError(
         f"AWQ does not know how to scale decoder layer {type(layer).__name__}: "
@@ -308,13 +376,17 @@ def _fold_into_norm(norm: nn.Module, s: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def apply_scale(prev: nn.Module, linears: Sequence[nn.Module], s: torch.Tensor) -> None:
+def apply_scale(
+    prev: nn.Module, linears: Sequence[nn.Module], s: torch.Tensor, tie: torch.Tensor | None = None
+) -> None:
     """Divide ``prev``'s outputs by ``s`` and multiply ``s`` into ``linears``' input columns.
 
     ``prev`` is a norm (1-D ``weight`` of size K; weight and bias scaled), a Linear (rows of
     weight and bias) or a Conv1D (columns). The float function of the layer is unchanged up
     to rounding, provided whatever lies between ``prev`` and ``linears`` commutes with a
-    positive per-channel scale.
+    positive per-channel scale. With ``tie`` (``[K]``: the output of ``prev`` feeding each
+    input), ``s`` must be equal on the inputs one output feeds, and that output is divided
+    by it once.
     """
     s = s.detach().float()
     if not (torch.isfinite(s).all() and (s > 0).all()):
@@ -323,6 +395,15 @@ def apply_scale(prev: nn.Module, linears: Sequence[nn.Module], s: torch.Tensor) 
     for lin in linears:
         if weight_2d(lin).shape[1] != k:
             raise OptcError(f"{type(lin).__name__} has {weight_2d(lin).shape[1]} inputs, s has {k}")
+    s_lin = s
+    if tie is not None:
+        tie = tie.to(s.device)
+        s = torch.zeros(int(tie.max()) + 1, device=s.device).scatter_(0, tie, s_lin)
+        if not torch.equal(s[tie], s_lin):
+            raise ValueError("tied AWQ scales differ on inputs fed by the same output")
+        k = s.numel()
+    if not _is_norm(prev, k) and _out_features(prev) != k:
+        raise OptcError(f"{type(prev).__name__} has {_out_features(prev)} outputs, s has {k} (pass tie=)")
     if isinstance(prev, Conv1D):
         _rescale_(prev.weight, 1.0 / s[None, :])
         _rescale_(prev.bias, 1.0 / s)
@@ -335,4 +416,4 @@ def apply_scale(prev: nn.Module, linears: Sequence[nn.Module], s: torch.Tensor) 
     else:
         raise OptcError(f"AWQ cannot fold scales into {type(prev).__name__}")
     for lin in linears:
-        _rescale_(lin.weight, s[:, None] if isinstance(lin, Conv1D) else s[None, :])
+        _rescale_(lin.weight, s_lin[:, None] if isinstance(lin, Conv1D) else s_lin[None, :])
