@@ -298,9 +298,9 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
             acc = accs[group[0]]
             res = awq_search_scale(
                 grams[id(acc)], acc.mean_abs, [weight_2d(step.linears[n]).detach() for n in group], scheme,
-                grid=cfg.grid, duo_scaling=cfg.duo_scaling, clip=[clipped(n) for n in group], tie=m.tie,
+                grid=cfg.grid, duo_scaling=cfg.duo_scaling, clip=[clipped(n) for n in group],
             )
-            apply_scale(m.prev, m.linears, res.scale, m.tie)
+            apply_scale(m.prev, m.linears, res.scale)
             for n in group:
                 scales[n] = res.scale
         for name in names:

@@ -14,7 +14,6 @@ from optc.testing import TINY_ARCHS, tiny_config, tiny_model, tiny_tokens
 EXPECTED = {
     "llama": [
         ("input_layernorm", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
-        ("self_attn.v_proj", ["self_attn.o_proj"]),  # grouped-query: scales tied per kv head
         ("post_attention_layernorm", ["mlp.gate_proj", "mlp.up_proj"]),
         ("mlp.up_proj", ["mlp.down_proj"]),
     ],
@@ -45,32 +44,6 @@ def test_resolve_mappings_mha_keeps_v_to_o() -> None:
     model = AutoModelForCausalLM.from_config(cfg)
     _, layers = find_decoder_layers(model)
     assert ("self_attn.v_proj", ["self_attn.o_proj"]) in _names(layers[0])
-    assert all(m.tie is None for m in resolve_mappings(layers[0]))
-
-
-def test_grouped_query_tie_maps_query_heads_to_their_kv_head() -> None:
-    cfg = tiny_config("llama")  # 6 query heads over 2 key/value heads, head_dim 8
-    _, layers = find_decoder_layers(AutoModelForCausalLM.from_config(cfg))
-    (tie,) = [m.tie for m in resolve_mappings(layers[0]) if m.prev_name == "self_attn.v_proj"]
-    hd = cfg.hidden_size // cfg.num_attention_heads
-    assert tie.shape == (cfg.hidden_size,)
-    assert tie[: 3 * hd].tolist() == list(range(hd)) * 3  # heads 0-2 read kv head 0
-    assert tie[3 * hd :].tolist() == list(range(hd, 2 * hd)) * 3
-
-
-def test_search_scale_tied_is_constant_per_group() -> None:
-    x, ws = _outlier_data(96, 32, seed=3)
-    tie = torch.arange(96) % 24  # 24 free scales, each repeated 4 times
-    res = awq_search_scale(gram(x), x.abs().mean(0), ws, QuantScheme(bits=4, group_size=32), tie=tie)
-    free = torch.zeros(24).scatter_(0, tie, res.scale)
-    assert torch.equal(free[tie], res.scale)
-    assert res.loss <= res.loss_no_scale
-
-
-def test_apply_scale_refuses_untied_scales() -> None:
-    lin_prev, lin = nn.Linear(8, 4), nn.Linear(8, 3)
-    with pytest.raises(ValueError, match="tied"):
-        apply_scale(lin_prev, [lin], torch.linspace(1, 2, 8), torch.arange(8) % 4)
 
 
 def test_resolve_mappings_unknown_layer() -> None:
@@ -96,9 +69,7 @@ def test_apply_scale_preserves_logits(arch: str) -> None:
             k = weight_2d(m.linears[0]).shape[1]
             s = torch.exp(0.5 * torch.randn(k, generator=g))
             before = weight_2d(m.linears[0]).clone()
-            if m.tie is not None:  # one free scale per v output, repeated over its query heads
-                s = s[: int(m.tie.max()) + 1][m.tie]
-            apply_scale(m.prev, m.linears, s, m.tie)
+            apply_scale(m.prev, m.linears, s)
             assert not torch.allclose(before, weight_2d(m.linears[0]))
     with torch.no_grad():
         out = model(tokens).logits
@@ -187,7 +158,7 @@ def test_apply_scale_half_precision(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(2)
     for m in resolve_mappings(layers[0]):
         s = torch.exp(torch.randn(weight_2d(m.linears[0]).shape[1], generator=g))
-        apply_scale(m.prev, m.linears, s if m.tie is None else s[m.tie], m.tie)
+        apply_scale(m.prev, m.linears, s)
         assert m.prev.weight.dtype == dtype
 
 
@@ -208,3 +179,9 @@ def test_search_scale_with_clip_measures_the_clipped_quantizer() -> None:
     assert joint.loss == pytest.approx(clipped_mse(joint.scale), rel=1e-3)
     assert joint.loss <= clipped_mse(plain.scale) * (1 + 1e-6)
     assert joint.loss <= joint.loss_no_scale < plain.loss_no_scale  # clipping helps even unscaled
+
+
+def test_apply_scale_refuses_a_prev_of_another_width() -> None:
+    lin_prev, lin = nn.Linear(8, 4), nn.Linear(8, 3)  # v_proj -> o_proj under GQA
+    with pytest.raises(OptcError, match="4 outputs, s has 8"):
+        apply_scale(lin_prev, [lin], torch.linspace(1, 2, 8))
