@@ -96,7 +96,7 @@ def main() -> None:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = [
-        "| recipe | perplexity (optc) | perplexity (transformers) | quantize wall (s) | peak RSS (GB) | checkpoint (MiB) |",
+        "| recipe | perplexity (optc) | perplexity (transformers) | quantize wall (s) | peak RSS (GiB) | checkpoint (MiB) |",
         "|---|---|---|---|---|---|",
     ]
     for name, ppl, hf, sec, rss, size in rows:
