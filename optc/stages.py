@@ -288,6 +288,7 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
             return cfg.clip and not re.search(r"(q_proj|k_proj|c_attn)$", name)
 
         scales: dict[str, torch.Tensor] = {}
+        ranges: dict[str, torch.Tensor] = {}
         for m in mappings:
             group = [n for n in full[m.prev_name] if n in accs]
             if len(group) != len(m.linears):
@@ -301,8 +302,11 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
                 grid=cfg.grid, duo_scaling=cfg.duo_scaling, clip=[clipped(n) for n in group],
             )
             apply_scale(m.prev, m.linears, res.scale)
-            for n in group:
+            ranges.pop(f"{step.name}.{m.prev_name}", None)  # prev's rows just changed (up_proj)
+            for n, rng in zip(group, res.clip):
                 scales[n] = res.scale
+                if rng is not None:  # already searched for exactly these weights and input
+                    ranges[n] = rng
         for name in names:
             module = step.linears[name]
             scheme = cfg.scheme_for(name)
@@ -311,7 +315,8 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
             if name in scales:  # the scaled weights see the input divided by s
                 G = scaled_gram(G, scales[name])
             if clipped(name):
-                p = compute_qparams(w, scheme, clip=awq_search_clip(G, w, scheme))
+                rng = ranges[name] if name in ranges else awq_search_clip(G, w, scheme)
+                p = compute_qparams(w, scheme, clip=rng)
             else:
                 p = choose_qparams(w, scheme, cfg.observer)
             w_hat = fake_quantize(w, p)

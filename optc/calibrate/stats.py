@@ -105,7 +105,7 @@ class GramAccumulator:
     @property
     def gram(self) -> torch.Tensor:
         """``X^T X / T`` (the Hessian accumulator keeps GPTQ's ``2 / T`` convention)."""
-        return self.hessian.H * 0.5
+        return self.hessian.H.mul_(0.5)
 
 
 class Discard:

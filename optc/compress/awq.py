@@ -41,6 +41,8 @@ class AWQScaleResult:
     ratio: float  # best alpha (0.0 when the unscaled weights won)
     loss: float  # output MSE with the chosen s
     loss_no_scale: float  # output MSE of plain RTN (s = 1)
+    # per weight: awq_search_clip's ranges for W s, where the search computed them (else None)
+    clip: list[torch.Tensor | None] | None = None
 
 
 def _group_view(t: torch.Tensor, group_size: int | None) -> torch.Tensor:
@@ -102,15 +104,17 @@ def awq_search_scale(
     aw = _group_view(w.abs(), scheme.group_size)
     w_mean = (aw / (aw.amax(dim=-1, keepdim=True) + 1e-6)).flatten(1)[:, : w.shape[1]].mean(0)
 
-    def loss_of(s: torch.Tensor, with_clip: bool) -> float:
+    def loss_of(s: torch.Tensor, with_clip: bool) -> tuple[float, list[torch.Tensor | None]]:
         # Q(W s) / s applied to X equals Q(W s) applied to X / s.
         Gs = scaled_gram(G, s) if with_clip else G
-        err = 0.0
+        err, ranges = 0.0, []
         for wi, ci in zip(ws_, clip):
             wsi = wi * s
-            rng = awq_search_clip(Gs, wsi, scheme) if ci and with_clip else 1.0
-            err += _output_mse(wi - fake_quantize(wsi, compute_qparams(wsi, scheme, clip=rng)) / s, G).item() * wi.shape[0]
-        return err / w.shape[0]
+            rng = awq_search_clip(Gs, wsi, scheme) if ci and with_clip else None
+            w_hat = fake_quantize(wsi, compute_qparams(wsi, scheme, clip=1.0 if rng is None else rng)) / s
+            err += _output_mse(wi - w_hat, G).item() * wi.shape[0]
+            ranges.append(rng)
+        return err / w.shape[0], ranges
 
     ones = torch.ones_like(x_mean)
     candidates: list[tuple[float, torch.Tensor]] = []
@@ -127,16 +131,17 @@ def awq_search_scale(
     if any(clip):
         # A clip search per candidate costs about ten plain measurements: the grid is ranked
         # with min-max grids and only its best few are measured with clipping.
-        order = sorted(range(grid), key=plain.__getitem__)[:refine]
-        loss_no_scale = loss_of(ones, True)
+        order = sorted(range(grid), key=lambda i: plain[i][0])[:refine]
+        unscaled = loss_of(ones, True)
         measured = [(candidates[i], loss_of(candidates[i][1], True)) for i in order]
     else:
-        loss_no_scale = loss_of(ones, False)
+        unscaled = loss_of(ones, False)
         measured = list(zip(candidates, plain))
-    best = AWQScaleResult(ones, 0.0, loss_no_scale, loss_no_scale)
-    for (alpha, s), loss in measured:
+    loss_no_scale = unscaled[0]
+    best = AWQScaleResult(ones, 0.0, loss_no_scale, loss_no_scale, unscaled[1])
+    for (alpha, s), (loss, ranges) in measured:
         if loss < best.loss:
-            best = AWQScaleResult(s, alpha, loss, loss_no_scale)
+            best = AWQScaleResult(s, alpha, loss, loss_no_scale, ranges)
     log.debug("awq scale: alpha=%.2f loss %.4g (rtn %.4g)", best.ratio, best.loss, loss_no_scale)
     return best
 
