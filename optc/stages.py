@@ -204,6 +204,10 @@ class GPTQStage(_WeightQuantStage):
     )
     refit_scales: bool = Field(True, description="least-squares scales for the final codes")
     observer: Literal["minmax", "mse"] = "mse"
+    sequential: bool = Field(
+        False, description="true-sequential: quantize a layer's Linears in execution order, each "
+        "calibrated on the outputs of the ones already quantized (one more layer forward per group)",
+    )
 
 
 def solve_gptq(
@@ -230,25 +234,45 @@ def solve_gptq(
         trim()  # each solve's temporaries, before the next one fragments the heap further
 
 
+def _collect_in_order(step: LayerStep, names: list[str], make) -> Iterator[tuple[list[str], dict]]:
+    """Groups of Linears sharing one input, in execution order, each collected only after the
+    previous groups were compressed (true-sequential). The first pass also finds the order: the
+    engine creates one accumulator per distinct input, in the order the inputs occur."""
+    order: list[str] = []
+
+    def first_only(name: str, module: torch.nn.Module):
+        order.append(name)
+        return make(name, module) if len(order) == 1 else Discard()
+
+    accs = step.collect(names, first_only)
+    groups = [[n for n in names if n in accs and accs[n] is accs[o]] for o in order]
+    yield groups[0], {n: accs[n] for n in groups[0]}
+    for group in groups[1:]:
+        yield group, step.collect(group, make)
+
+
 def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
     per_module: dict[str, dict] = {}
 
     def solve(step: LayerStep) -> dict:
         names = [n for n in step.linears if cfg.scheme_for(n) is not None]
         dtype = ws.calibration.autocast_dtype()
-        accs = step.collect(
-            names, lambda n, m: HessianAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype)
-        )
-        # One result at a time, recorded before the next solve: the largest (down_proj, last)
-        # then runs with no other layer's result or Hessian held.
-        for name, res in solve_gptq(
-            step, names, accs, cfg.scheme_for, ws.masks,
-            block_size=cfg.block_size, dampening=cfg.dampening, actorder=cfg.actorder,
-            groups=cfg.groups, observer=cfg.observer, refit=cfg.refit_scales,
-        ):
-            stats = _record_quantized(ws, name, step.linears[name], res.weight, res.params)
-            per_module[name] = {**stats, "gptq_loss": round(res.loss, 6)}
-            del res
+
+        def make(_name: str, module: torch.nn.Module) -> HessianAccumulator:
+            return HessianAccumulator(weight_2d(module).shape[1], matmul_dtype=dtype)
+
+        groups = _collect_in_order(step, names, make) if cfg.sequential else [(names, step.collect(names, make))]
+        for group, accs in groups:
+            # One result at a time, recorded before the next solve: the largest (down_proj,
+            # last) then runs with no other layer's result or Hessian held.
+            for name, res in solve_gptq(
+                step, group, accs, cfg.scheme_for, ws.masks,
+                block_size=cfg.block_size, dampening=cfg.dampening, actorder=cfg.actorder,
+                groups=cfg.groups, observer=cfg.observer, refit=cfg.refit_scales,
+            ):
+                stats = _record_quantized(ws, name, step.linears[name], res.weight, res.params)
+                per_module[name] = {**stats, "gptq_loss": round(res.loss, 6)}
+                del res
         return {}
 
     layers = _run_calibration(ws, cfg, solve, "gptq", records=per_module)
@@ -607,23 +631,6 @@ class SparseGPTStage(_CalibratedPruneStage):
         False, description="after the sweep, re-solve the kept weights exactly (least squares "
         "on the layer's inputs) for the final mask",
     )
-
-
-def _collect_in_order(step: LayerStep, names: list[str], make) -> Iterator[tuple[list[str], dict]]:
-    """Groups of Linears sharing one input, in execution order, each collected only after the
-    previous groups were pruned (true-sequential). The first pass also finds the order: the
-    engine creates one accumulator per distinct input, in the order the inputs occur."""
-    order: list[str] = []
-
-    def first_only(name: str, module: torch.nn.Module):
-        order.append(name)
-        return make(name, module) if len(order) == 1 else Discard()
-
-    accs = step.collect(names, first_only)
-    groups = [[n for n in names if n in accs and accs[n] is accs[o]] for o in order]
-    yield groups[0], {n: accs[n] for n in groups[0]}
-    for group in groups[1:]:
-        yield group, step.collect(group, make)
 
 
 def sparsity_summary(

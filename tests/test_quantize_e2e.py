@@ -157,3 +157,20 @@ def test_bfloat16_autocast_calibration_close_to_float():
     _quantize(rtn, "rtn", ids)
     assert errors["bfloat16"] < _logit_error(rtn, ref, ids)
     assert errors["bfloat16"] < 1.5 * errors["off"]
+
+
+def test_gptq_true_sequential_calibrates_each_group_on_quantized_outputs():
+    ids = tiny_tokens(8, 64)
+    base = tiny_model("llama")
+    weights = {}
+    for seq in (False, True):
+        model = copy.deepcopy(base)
+        _quantize(model, "gptq", ids, sequential=seq)
+        weights[seq] = {n: m.weight.detach().clone() for n, m in select_linears(model, [".*"], ["lm_head"]).items()}
+    first = "model.layers.0."
+    # q/k/v read the layer input: the same Hessian either way. o_proj (and everything after
+    # it) is calibrated on the outputs of the already quantized q/k/v in sequential mode.
+    for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+        assert torch.equal(weights[False][first + n], weights[True][first + n]), n
+    for n in ("self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+        assert not torch.equal(weights[False][first + n], weights[True][first + n]), n
