@@ -54,6 +54,7 @@ $(GPTQ_VENV)/.installed:
 
 test-interop: install $(VLLM_VENV)/.installed $(GPTQ_VENV)/.installed
 	$(PY) interop/prepare.py --out $(INTEROP_OUT)
+	$(VLLM_VENV)/bin/python interop/vllm_kernel_check.py
 	$(VLLM_VENV)/bin/python interop/vllm_check.py $(INTEROP_OUT)
 	GPTQMODEL_CPU_WORKERS=2 $(GPTQ_VENV)/bin/python interop/gptqmodel_check.py $(INTEROP_OUT)
 
