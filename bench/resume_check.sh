@@ -11,6 +11,7 @@ DATA=${OPTC_DATA:-/work/shared/data}
 OPTC=${OPTC:-.venv/bin/optc}
 PY=${PY:-.venv/bin/python}
 export OMP_NUM_THREADS=1
+export OPTC_RESUME_INTERVAL=${OPTC_RESUME_INTERVAL:-0}  # save every layer: the kill lands right after layer LAYER
 ARGS=(--recipe w4a16-gptq --dataset "$DATA/wikitext-2-valid.txt" --samples 32 --seqlen 512 --no-eval -q)
 rm -rf "$OUT" && mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)

