@@ -4,8 +4,8 @@ safetensors format optc writes, plus the numbers the foreign runtimes must repro
 One weight grid for the weight-only formats (round-to-nearest, 4-bit symmetric, groups of 64) so
 they differ only in layout, plus two compressed-tensors ``int-quantized`` W8A8 checkpoints
 (round-to-nearest int8 per-channel weights): ``int8-dynamic`` (per-token activation scales
-computed at run time, as ``int8.yaml``) and ``int8-static`` (calibrated per-tensor scales on 16 x
-512 tokens of WikiText-2 validation, ``down_proj`` inputs left 16-bit, as ``int8-kl.yaml``). For
+computed at run time, as ``int8.yaml``) and ``int8-static`` (calibrated per-tensor min-max scales on 16 x
+512 tokens of WikiText-2 validation; ``down_proj`` inputs dynamic per token). For
 each checkpoint, optc's own reader scores the same windows the runtimes will score.
 """
 
@@ -32,8 +32,10 @@ DATA = Path(os.environ.get("OPTC_DATA", Path(__file__).resolve().parents[2] / "s
 FORMATS = ("dense", "compressed-tensors", "gptq", "awq")
 W8A8 = {
     "int8-dynamic": {"activations": {"strategy": "token", "dynamic": True}},
+    # vLLM's CPU backend has no W8A16 kernel, so down_proj (whose inputs static per-tensor int8
+    # ruins) gets dynamic per-token scales instead of int8-kl.yaml's 16-bit inputs.
     "int8-static": {"activations": {"observer": "minmax"},
-                    "activation_overrides": [{"pattern": "down_proj", "activations": None}]},
+                    "activation_overrides": [{"pattern": "down_proj", "activations": {"strategy": "token", "dynamic": True}}]},
 }
 
 

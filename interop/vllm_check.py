@@ -17,7 +17,13 @@ import argparse
 import gc
 import json
 import math
+import os
 from pathlib import Path
+
+
+# vLLM's CPU int8 GEMM with static per-tensor input scales runs one 8 x 512-token step in more
+# than its default 300 s limit on a 2-core machine.
+os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
 
 
 def vllm_perplexity(directory: Path, windows: list[list[int]], seqlen: int, memory: float, dtype: str) -> float:
@@ -42,7 +48,8 @@ def vllm_perplexity(directory: Path, windows: list[list[int]], seqlen: int, memo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--formats", nargs="+", default=["dense", "compressed-tensors", "gptq", "awq", "int8-dynamic", "int8-static"])
+    ap.add_argument("--formats", nargs="+", default=["dense", "compressed-tensors", "gptq", "awq", "int8-dynamic"],
+                    help="int8-static too: vLLM's static int8 CPU GEMM took over 30 min for the 8 windows here")
     ap.add_argument("--tolerance", type=float, default=0.01)
     ap.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16")
     ap.add_argument("--memory", type=float, default=0.25, help="fraction of host memory vLLM may reserve")
