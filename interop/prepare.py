@@ -19,12 +19,11 @@ from pathlib import Path
 
 import torch
 
-from optc.compress.actquant import input_quant_of
 from optc.data import CalibrationConfig, evaluation_tokens
 from optc.evaluate.perplexity import perplexity, windows_of
-from optc.export.compressed_tensors import write_int_quantized
 from optc.export.convert import export_model
 from optc.models import load_model
+from optc.pipeline import export_checkpoint
 from optc.stages import RTNStage, W8A8Stage, Workspace, run_rtn, run_w8a8
 
 DATA = Path(os.environ.get("OPTC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -76,8 +75,7 @@ def main() -> None:
         run_w8a8(w8_ws, W8A8Stage(type="w8a8", method="rtn", **extra))
         directory = args.out / name
         directory.mkdir(exist_ok=True)
-        write_int_quantized(w8, w8_ws.qparams, input_quant_of(w8), directory)
-        loaded.tokenizer.save_pretrained(directory)
+        export_checkpoint(w8_ws, "compressed-tensors", directory, "2GB")  # int-quantized: inputs are quantized
         ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
         reference["formats"][name] = {"optc_reader": ppl, "in_memory": perplexity(w8, tokens, args.seqlen, args.windows).perplexity}
         print(f"{name}: optc reader perplexity {ppl:.4f}", flush=True)

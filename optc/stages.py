@@ -305,7 +305,8 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
         names = [n for n in names if n in step.linears and cfg.scheme_for(n) is not None]
         dtype = ws.calibration.autocast_dtype()
         accs = step.collect(names, lambda n, m: GramAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype))
-        grams = {id(a): a.gram for a in accs.values()}  # one per distinct input
+        # One Gram matrix per distinct input (q/k/v share one accumulator, gate/up another).
+        grams = {key: a.gram for key, a in {id(a): a for a in accs.values()}.items()}
 
         def clipped(name: str) -> bool:
             # Clipping q/k distorts attention logits more than it saves (as in AutoAWQ).

@@ -131,10 +131,14 @@ class LayerStore:
         self._committer: ThreadPoolExecutor | None = None
         self._pending: Future | None = None  # the last layer's commit, still running
         self.interval_s = save_interval()
-        self._unsaved: list[tuple[int, str, nn.Module, dict]] = []  # finished, not yet saved
-        self._saved_count = 0  # layers of the running stage named by the progress on disk
+        # In memory: finished layers not saved yet (index, module, record, its Linears' names).
+        self._unsaved: list[tuple[int, nn.Module, dict, list[str]]] = []
         self._saved_at = time.monotonic()
-        self._acts_index = -1  # the layer whose output activations are on disk
+
+    @property
+    def saved_count(self) -> int:
+        """Layers of the running stage that the last save (on disk, or being committed) names."""
+        return len(self.layers) - len(self._unsaved)
 
     @property
     def streaming(self) -> bool:
@@ -185,10 +189,8 @@ class LayerStore:
         if saved is not None and index == saved["stage"] and stage_type == saved["stage_type"]:
             self.active = True
             self.layers = list(saved["layers"])
-            self.restore_count = self._saved_count = len(self.layers)
-            self._acts_index = self.restore_count - 1
+            self.restore_count = len(self.layers)
             return
-        self._saved_count, self._acts_index = 0, -1
         self.active = self.streaming or stage_type in RESUMABLE_STAGES
         self.layers = []
         if self.active:
@@ -250,6 +252,7 @@ class LayerStore:
         if not self.active:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
+        saved_before = self.saved_count
         mine = [m for m in self.qparams if m.startswith(name + ".")]
         rec: dict = {
             "layer": name,
@@ -262,20 +265,20 @@ class LayerStore:
             rec.update(self._write_part(i, name, layer, mine, staged))
             release(layer)
         else:
-            self._unsaved.append((i, name, layer, rec))
+            self._unsaved.append((i, layer, rec, mine))
             if not last and time.monotonic() - self._saved_at < self.interval_s:
                 return
-            for j, j_name, j_layer, j_rec in self._unsaved:
+            for j, j_layer, j_rec, j_mine in self._unsaved:
                 staged.append(self._stage(_layer_file("layer", j), dict(j_layer.state_dict())))
-                j_rec["qparams"] = self._save_qparams(j, [m for m in self.qparams if m.startswith(j_name + ".")], staged)
+                j_rec["qparams"] = self._save_qparams(j, j_mine, staged)
             self._unsaved = []
-        old_acts = self.directory / _layer_file("acts", self._acts_index)
+        # The activations on disk are those of the last layer the progress names.
+        old_acts = self.directory / _layer_file("acts", saved_before - 1)
         if not last:
             acts = {str(j): b.hidden for j, b in enumerate(batches)}
             staged.append(self._stage(_layer_file("acts", i), acts))
-            self._acts_index = i
         progress = self._progress()
-        self._saved_count, self._saved_at = len(self.layers), time.monotonic()
+        self._saved_at = time.monotonic()
         self.flush()  # at most one save in flight; its errors (a full disk) surface here
         if self._committer is None:
             self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="optc-resume-state")
@@ -405,9 +408,9 @@ class LayerStore:
 
     def describe(self) -> str:
         """Where the run stands, for the message printed on an interruption."""
-        if self.stage is None or not self._saved_count:
+        n = self.saved_count
+        if self.stage is None or not n:
             return "no layer saved yet"
-        n = self._saved_count
         return f"stage {self.stage[0]} ({self.stage[1]}): {n} layer{'s' if n != 1 else ''} done"
 
     def has_progress(self) -> bool:
