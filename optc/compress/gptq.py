@@ -156,7 +156,7 @@ def gptq_quantize(
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else None
     if perm is not None:
         Wf = Wf[:, perm]
-        H = H[perm[:, None], perm[None, :]]
+        H = H.index_select(0, perm).index_select(1, perm)  # 10x faster than H[p[:, None], p]
         if imp is not None:
             imp = imp[perm]
         if keep is not None:
@@ -182,77 +182,85 @@ def gptq_quantize(
     col_group_t = torch.tensor(col_group, device=dev)
     members = {gi: (col_group_t == gi).nonzero().squeeze(1) for gi in set(col_group)} if grouped else {}
     chosen: set[int] = set()
-    Q = torch.zeros_like(Wf)
+    # The sweep works on W^T ([K, N], one contiguous row per input column): each step's
+    # column ops then run on contiguous vectors in place, 2-3x faster on CPU than strided
+    # columns of W (the same arithmetic per column).
+    WT = Wf.T.contiguous()
+    del Wf
+    QT = torch.empty_like(WT)
+    dropT = None if keep is None else ~keep.T.contiguous()
     loss_acc = torch.zeros((), device=dev)
-    zf = zero.float()
+    # Grids by group as contiguous rows ([G, N]), so switching groups (every few columns under
+    # act-order) copies nothing; written back to scale/zero after the sweep.
+    scaleT, zeroT = scale.T.contiguous(), zero.T.float().contiguous()
     s_col = z_col = None
     cur_group = -1
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         count = i2 - i1
-        # Step 2 (lazy batch updates): sweep B columns on a local copy, deferring the
-        # update of the remaining K - i2 columns to one matmul per block.
-        W1 = Wf[:, i1:i2].clone()
-        Q1 = torch.zeros_like(W1)
+        # Step 2 (lazy batch updates): sweep B columns in place, deferring the update of the
+        # remaining K - i2 columns to one matmul per block.
+        W1 = WT[i1:i2]
         Err1 = torch.zeros_like(W1)
         Hinv1 = Hinv[i1:i2, i1:i2]
+        # Row views made once per block (per-column indexing was a tenth of a solve).
+        w_rows, q_rows, err_rows = W1.unbind(0), QT[i1:i2].unbind(0), Err1.unbind(0)
+        d_rows, h_tails = Hinv1.diagonal().tolist(), [Hinv1[i, i + 1:] for i in range(count)]
         for i in range(count):
             col = i1 + i
             gi = col_group[col]
             if grouped and not static_groups and gi not in chosen:
                 # The group's grid is chosen when the sweep first reaches one of its columns,
                 # from the error-updated weights as they stand now: in-block columns from W1,
-                # later ones from Wf plus this block's pending update (the reference reads
+                # later ones from W plus this block's pending update (the reference reads
                 # stale in-block values here).
                 pos = members[gi]
                 inside, later = pos[(pos >= i1) & (pos < i2)], pos[pos >= i2]
-                part = [W1[:, inside - i1]]
+                part = [W1[inside - i1]]
                 if later.numel():
-                    part.append(Wf[:, later] - Err1 @ Hinv[i1:i2, later])
-                if keep is not None:
+                    part.append(WT[later] - Hinv[i1:i2, later].T @ Err1)
+                if dropT is not None:
                     # Pruned weights will be 0 whatever they drifted to; the grid is for the rest.
-                    part = [p_ * keep[:, idx] for p_, idx in zip(part, (inside, later))]
+                    part = [p_.masked_fill(dropT[idx], 0.0) for p_, idx in zip(part, (inside, later))]
                 p = choose_qparams(
-                    torch.cat(part, dim=1), scheme, observer,
+                    torch.cat(part).T, scheme, observer,
                     importance=None if imp is None else imp[torch.cat([inside, later])],
                 )
-                scale[:, gi], zero[:, gi] = p.scale[:, 0], p.zero[:, 0]
-                zf[:, gi] = zero[:, gi].float()
+                scaleT[gi], zeroT[gi] = p.scale[:, 0], p.zero[:, 0]
                 chosen.add(gi)
             if gi != cur_group:
-                s_col, z_col, cur_group = scale[:, gi], zf[:, gi], gi
+                s_col, z_col, cur_group = scaleT[gi], None if scheme.symmetric else zeroT[gi], gi
 
             # Step 1 (arbitrary order, OBS update): quantize column i and spread its
             # error over the not-yet-quantized columns, weighted by the H^{-1} row.
-            w = W1[:, i]
-            d = Hinv1[i, i]
-            q = quantize_column(w, s_col, z_col, scheme)
-            if keep is not None:
-                q = q.masked_fill(~keep[:, col], 0.0)
-            Q1[:, i] = q
-            err = (w - q) / d
-            W1[:, i + 1 :] -= err.unsqueeze(1) * Hinv1[i, i + 1 :].unsqueeze(0)
-            Err1[:, i] = err
-        Q[:, i1:i2] = Q1
+            w, q, err = w_rows[i], q_rows[i], err_rows[i]
+            quantize_column(w, s_col, z_col, scheme, out=q)
+            if dropT is not None:
+                q.masked_fill_(dropT[col], 0.0)
+            torch.sub(w, q, out=err).div_(d_rows[i])
+            W1[i + 1 :].addr_(h_tails[i], err, alpha=-1)
         # The OBS error (w - q)^2 / (2 [H_F^{-1}]_qq), with [H_F^{-1}]_qq = d^2 (reference Losses).
         loss_acc += Err1.pow(2).sum() / 2
-        Wf[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    del Hinv, Hinv1, d, Wf  # the refit needs none of them (Hinv1 and d are views of Hinv)
+        WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)
+    del Hinv, Hinv1, WT, W1  # the refit needs none of them (Hinv1 is a view of Hinv)
 
     if perm is None:
         g_idx = default_g_idx(k, scheme).to(dev)
     else:
         invperm = torch.argsort(perm)
-        Q = Q[:, invperm]
+        QT = QT[invperm]
         if grouped and permuted:
             # Original column j was processed at position invperm[j], in that position's group.
             g_idx = (invperm // g).to(torch.int32)
         else:
             g_idx = default_g_idx(k, scheme).to(dev)
 
+    Q = QT.T.contiguous()
+    del QT
+    scale, zero = scaleT.T.contiguous(), zeroT.T.to(torch.int32).contiguous()
     params = QuantParams(scheme, scale, zero, g_idx)
     if refit:
-        H_orig = H if perm is None else H[invperm[:, None], invperm[None, :]]
+        H_orig = H if perm is None else H.index_select(0, invperm).index_select(1, invperm)
         del H
         Q, params = refit_scales(W.detach().float(), H_orig, Q, params)
     seconds = time.perf_counter() - t0
@@ -282,21 +290,28 @@ def refit_scales(
     groups = p.scale.shape[1]
     g_idx = p.g_idx.long()
     c = (quantize(W_hat, p).float() - p.zero.float()[:, g_idx])  # codes relative to zero
-    HW = W @ H
-    A = torch.zeros(n, groups, groups, dtype=torch.float32, device=W.device)
+    # Sums over each group's columns as a product with the [K, G] one-hot group matrix (a
+    # small matmul, several times faster than index_add_ here).
+    E = torch.nn.functional.one_hot(g_idx, groups).to(c.dtype)
+    A = torch.empty(n, groups, groups, dtype=torch.float32, device=W.device)
     for b in range(groups):
         cols = (g_idx == b).nonzero().squeeze(1)
         Yb = c[:, cols] @ H[cols, :]  # [N, K]: sum over j in group b of c_rj H_j.
-        A[:, :, b] = torch.zeros(n, groups, device=W.device).index_add_(1, g_idx, c * Yb)
-    v = torch.zeros(n, groups, device=W.device).index_add_(1, g_idx, c * HW)
+        A[:, :, b] = Yb.mul_(c) @ E
+    v = (W @ H).mul_(c) @ E
     lam = ridge * A.diagonal(dim1=1, dim2=2).mean(dim=1).clamp_min(1e-12)  # [N]
     eye = torch.eye(groups, device=W.device)
     old = p.scale.float()
     s = torch.linalg.solve(A + lam[:, None, None] * eye, (v + lam[:, None] * old).unsqueeze(-1))[..., 0]
 
+    A64, v64 = A.double(), v.double()
+
     def row_error(scales: torch.Tensor) -> torch.Tensor:
-        d = W - c * scales[:, g_idx]
-        return ((d @ H) * d).sum(dim=1)
+        # (w - C s)^T H (w - C s) = w^T H w - 2 s^T v + s^T A s: the constant w^T H w drops out
+        # of the comparison, so it costs O(N G^2) instead of two N x K x K products (float64:
+        # the two terms nearly cancel).
+        s64 = scales.double()
+        return torch.einsum("ng,ngh,nh->n", s64, A64, s64) - 2 * (s64 * v64).sum(dim=1)
 
     valid = torch.isfinite(s).all(dim=1) & (s > 0).all(dim=1)
     s = torch.where(valid[:, None], s, old)

@@ -129,20 +129,36 @@ def compute_qparams(
     return QuantParams(scheme, scale, zero, default_g_idx(w.shape[1], scheme).to(w.device))
 
 
-def _expand(t: torch.Tensor, g_idx: torch.Tensor) -> torch.Tensor:
-    return t[:, g_idx.long()]
+def _grouped_view(
+    t: torch.Tensor, p: QuantParams
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``t`` ([N, K]) with ``p``'s scale and zero point shaped to broadcast against it.
+
+    Contiguous groups that divide K are a ``[N, G, g]`` view against ``[N, G, 1]`` parameters,
+    so no ``[N, K]`` copy of the scales is made (4x less memory traffic when exporting);
+    act-order or a short last group fall back to one gathered scale per column.
+    """
+    n, k = t.shape
+    g = p.scheme.group_size
+    scale, zero = p.scale.float(), p.zero.float()
+    if g is None or scale.shape[1] == 1:
+        return t, scale[:, :1], zero[:, :1]
+    if k % g == 0 and torch.equal(p.g_idx, default_g_idx(k, p.scheme).to(p.g_idx.device)):
+        return t.reshape(n, k // g, g), scale[..., None], zero[..., None]
+    idx = p.g_idx.long()
+    return t, scale[:, idx], zero[:, idx]
 
 
 def quantize(w: torch.Tensor, p: QuantParams) -> torch.Tensor:
     """Integer codes (int8, signed domain) of ``w`` on the grid ``p``."""
-    s, z = _expand(p.scale, p.g_idx), _expand(p.zero, p.g_idx)
-    q = torch.round(w.float() / s) + z
-    return q.clamp(p.scheme.qmin, p.scheme.qmax).to(torch.int8)
+    wv, s, z = _grouped_view(w.float(), p)
+    q = torch.div(wv, s).round_().add_(z).clamp_(p.scheme.qmin, p.scheme.qmax)
+    return q.to(torch.int8).view(w.shape)
 
 
 def dequantize(q: torch.Tensor, p: QuantParams, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    s, z = _expand(p.scale, p.g_idx), _expand(p.zero, p.g_idx)
-    return ((q.float() - z) * s).to(dtype)
+    qv, s, z = _grouped_view(q, p)
+    return torch.sub(qv, z).mul_(s).to(dtype).view(q.shape)
 
 
 def fake_quantize(w: torch.Tensor, p: QuantParams) -> torch.Tensor:
@@ -151,11 +167,21 @@ def fake_quantize(w: torch.Tensor, p: QuantParams) -> torch.Tensor:
 
 
 def quantize_column(
-    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    scheme: QuantScheme,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Fake-quantize one or more columns given their per-row scale/zero ([N] or [N, c])."""
-    q = (torch.round(w / scale) + zero).clamp(scheme.qmin, scheme.qmax)
-    return (q - zero) * scale
+    """Fake-quantize one or more columns given their per-row scale/zero ([N] or [N, c]).
+
+    ``zero=None`` means a zero point of 0 (symmetric grids); ``out`` receives the result, so
+    GPTQ's column sweep allocates nothing per column.
+    """
+    q = torch.div(w, scale, out=out).round_()
+    if zero is None:
+        return q.clamp_(scheme.qmin, scheme.qmax).mul_(scale)
+    return q.add_(zero).clamp_(scheme.qmin, scheme.qmax).sub_(zero).mul_(scale)
 
 
 def _shrink_errors(
@@ -169,11 +195,20 @@ def _shrink_errors(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Error, scale and zero of each candidate shrink ``p`` ([N, G, P]) per (row, group)."""
     scale, zero = params_from_range(lo[..., None] * p, hi[..., None] * p, scheme)
-    s4, z4 = scale[..., None], zero[..., None].float()
-    q = (torch.round(w3 / s4) + z4).clamp_(scheme.qmin, scheme.qmax)
-    err = ((q - z4) * s4 - w3).abs_().pow_(norm)
+    s4 = scale[..., None]
+    # One [N, G, P, g] buffer, updated in place: a temporary per step made this search
+    # memory-bound (2-2.4x slower on the default model's Linears).
+    q = torch.div(w3, s4).round_()
+    if scheme.symmetric:  # zero point 0: adding and subtracting it changes nothing
+        q.clamp_(scheme.qmin, scheme.qmax).mul_(s4)
+    else:
+        z4 = zero[..., None].float()
+        q.add_(z4).clamp_(scheme.qmin, scheme.qmax).sub_(z4).mul_(s4)
+    # |e|^norm as exp(norm * log|e|): torch's pow with a fractional exponent is not
+    # vectorised on CPU, this is 3x faster (relative difference ~1e-6; log 0 = -inf gives 0).
+    err = q.sub_(w3).abs_().log_().mul_(norm).exp_()
     if imp3 is not None:
-        err = err * imp3
+        err.mul_(imp3)
     return err.sum(dim=-1), scale, zero
 
 

@@ -62,12 +62,19 @@ def _pack_rows(q: torch.Tensor, bits: int) -> torch.Tensor:
     word, shift = _bit_positions(bits, q.device)
     u = F.pad(q.to(torch.int64) + (1 << (bits - 1)), (0, blocks * 32 - k)).view(n, blocks, 32)
     # Bit fields never overlap, so adding them is the same as OR-ing them.
-    words = torch.zeros(n, blocks, bits, dtype=torch.int64, device=q.device)
-    words.index_add_(2, word, (u << shift) & _MASK32)
-    spill = shift + bits > 32
-    if spill.any():
-        words.index_add_(2, word[spill] + 1, u[:, :, spill] >> (32 - shift[spill]))
-    words = words.view(n, blocks * bits)[:, : math.ceil(k * bits / 32)]
+    if 32 % bits == 0:
+        # 2/4/8 bits: whole elements per word, word w = sum_i u[w * per + i] << (i * bits);
+        # a broadcast shift and one sum, several times faster than the general scatter.
+        per = 32 // bits
+        words = (u.view(n, blocks * bits, per) << shift[:per]).sum(dim=2)
+    else:
+        words = torch.zeros(n, blocks, bits, dtype=torch.int64, device=q.device)
+        words.index_add_(2, word, (u << shift) & _MASK32)
+        spill = shift + bits > 32
+        if spill.any():
+            words.index_add_(2, word[spill] + 1, u[:, :, spill] >> (32 - shift[spill]))
+        words = words.view(n, blocks * bits)
+    words = words[:, : math.ceil(k * bits / 32)]
     # Reinterpret the unsigned 32-bit pattern as two's-complement int32.
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
