@@ -259,7 +259,7 @@ def run_gptq(ws: Workspace, cfg: GPTQStage) -> dict:
         dtype = ws.calibration.autocast_dtype()
 
         def make(_name: str, module: torch.nn.Module) -> HessianAccumulator:
-            return HessianAccumulator(weight_2d(module).shape[1], matmul_dtype=dtype)
+            return HessianAccumulator(weight_2d(module).shape[1], matmul_dtype=dtype, fold=step.fold)
 
         groups = _collect_in_order(step, names, make) if cfg.sequential else [(names, step.collect(names, make))]
         for group, accs in groups:
@@ -304,7 +304,7 @@ def run_awq(ws: Workspace, cfg: AWQStage) -> dict:
         names = sorted({n for group in full.values() for n in group} | set(step.linears))
         names = [n for n in names if n in step.linears and cfg.scheme_for(n) is not None]
         dtype = ws.calibration.autocast_dtype()
-        accs = step.collect(names, lambda n, m: GramAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype))
+        accs = step.collect(names, lambda n, m: GramAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype, fold=step.fold))
         # One Gram matrix per distinct input (q/k/v share one accumulator, gate/up another).
         grams = {key: a.gram for key, a in {id(a): a for a in accs.values()}.items()}
 
@@ -510,7 +510,7 @@ def run_w8a8(ws: Workspace, cfg: W8A8Stage) -> dict:
 
         def make(_name: str, module: torch.nn.Module) -> ActivationStats:
             k = weight_2d(module).shape[1]
-            extra = (HessianAccumulator(k),) if gptq else ()
+            extra = (HessianAccumulator(k, fold=step.fold),) if gptq else ()
             return ActivationStats(
                 k, step.tokens, averaging_constant=cfg.activations.averaging_constant,
                 sample_tokens=cfg.sample_tokens, seed=ws.calibration.seed, first_row=step.row_offset,
@@ -695,12 +695,6 @@ def _run_calibrated_prune(ws: Workspace, cfg: _CalibratedPruneStage, method: str
     layer_sparsity = _owl_allocation(ws, cfg) if cfg.allocation == "owl" else {}
     per_module: dict[str, dict] = {}
 
-    def make(_name: str, module: torch.nn.Module):
-        k = weight_2d(module).shape[1]
-        if method == "wanda":
-            return FeatureNormAccumulator(k)
-        return HessianAccumulator(k, matmul_dtype=ws.calibration.autocast_dtype())
-
     def sparsity_for(name: str, layer: str) -> float:
         for o in cfg.overrides:
             if re.search(o.pattern, name):
@@ -708,6 +702,12 @@ def _run_calibrated_prune(ws: Workspace, cfg: _CalibratedPruneStage, method: str
         return layer_sparsity.get(layer, cfg.sparsity)
 
     def solve(step: LayerStep) -> dict:
+        def make(_name: str, module: torch.nn.Module):
+            k = weight_2d(module).shape[1]
+            if method == "wanda":
+                return FeatureNormAccumulator(k)
+            return HessianAccumulator(k, matmul_dtype=ws.calibration.autocast_dtype(), fold=step.fold)
+
         names = list(step.linears)
         groups = (_collect_in_order(step, names, make) if cfg.sequential
                   else [(names, step.collect(names, make))])
@@ -799,7 +799,9 @@ def run_structured(ws: Workspace, cfg: StructuredStage) -> dict:
         for rel in outputs:  # attention first: the MLP then calibrates on the pruned attention
             name = f"{step.name}.{rel}"
             dtype = ws.calibration.autocast_dtype()
-            H = step.collect([name], lambda n, m: HessianAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype))[name].H
+            H = step.collect(
+                [name], lambda n, m: HessianAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype, fold=step.fold)
+            )[name].H
             W = weight_2d(layer.get_submodule(rel)).detach()
             if plan.attention is not None and rel == plan.attention.o:
                 imp = head_importance(W, H, plan.head_dim)

@@ -76,9 +76,9 @@ def _reduce_worker(rank: int) -> None:
             acc.add(b)
     with distributed.process_group("cpu"):
         ids = torch.arange(10 * 16).view(10, 16)  # 10 samples, batches of 2: the same 5 batches
-        local, first_row, batch_size = distributed.shard(ids, 2)
+        local, first_row, batch_size, fold = distributed.shard(ids, 2)
         start = first_row // 16
-        assert batch_size == 2 and (rank, start, local.shape[0]) in ((0, 0, 6), (1, 6, 4))
+        assert batch_size == 2 and fold == 1 and (rank, start, local.shape[0]) in ((0, 0, 6), (1, 6, 4))
         mine = _accumulators(tokens, first_row)
         for b in batches[start // 2 : (start + local.shape[0]) // 2]:
             for acc in mine.values():
@@ -100,6 +100,50 @@ def _reduce_worker(rank: int) -> None:
     assert torch.equal(a.histogram.counts, b.histogram.counts) and a.moving.max == b.moving.max
     assert torch.equal(a.sampler.sample, b.sampler.sample) and torch.equal(a.channel.max, b.channel.max)
     assert torch.equal(a.extra[0].H, b.extra[0].H)
+
+
+def test_shares_are_whole_fold_groups_covering_every_batch() -> None:
+    for n_batches in range(1, 160):
+        fold = distributed.fold_size(n_batches)
+        assert fold == (distributed.FOLD if n_batches >= 64 else 1)
+        for world in range(1, distributed.FOLD + 1):
+            if world > n_batches:
+                continue
+            shares = [distributed.share(n_batches, world, r, fold) for r in range(world)]
+            assert shares[0][0] == 0 and shares[-1][1] == n_batches
+            assert all(a[1] == b[0] for a, b in zip(shares, shares[1:]))  # contiguous, in rank order
+            assert all(first % fold == 0 and stop > first for first, stop in shares)
+            sizes = [stop - first for first, stop in shares]
+            assert max(sizes) - min(sizes) < 2 * fold  # one group, and a short last one
+
+
+def test_folded_hessian_is_exact_however_the_batches_are_shared() -> None:
+    """Summing groups of 8 batches in float32 first: one accumulator over 72 batches equals two
+    fed the two ranks' shares and merged, bit for bit (the exactness distributed runs rely on)."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(16, 40, generator=g) * torch.linspace(0.1, 30, 40) for _ in range(72)]
+    fold = distributed.fold_size(len(batches))
+    single, per_batch = HessianAccumulator(40, fold=fold), HessianAccumulator(40)
+    for b in batches:
+        single.add(b)
+        per_batch.add(b)
+    ranks = []
+    for r in range(3):
+        first, stop = distributed.share(len(batches), 3, r, fold)
+        acc = HessianAccumulator(40, fold=fold)
+        for b in batches[first:stop]:
+            acc.add(b)
+        ranks.append(acc)
+    ranks[0].merge(ranks[1])
+    ranks[0].merge(ranks[2])
+    assert single.nsamples == ranks[0].nsamples == 72 * 16
+    assert torch.equal(single.H, ranks[0].H)
+    scale = float(per_batch.H.abs().max())
+    torch.testing.assert_close(single.H, per_batch.H, rtol=1e-5, atol=1e-6 * scale)  # the same matrix
+    state = single.state_dict()  # with a partial group pending: folded before it is read
+    single.add(batches[0])
+    single.load_state_dict(state)
+    assert torch.equal(single.H, ranks[0].H)
 
 
 # --- whole recipes on a tiny checkpoint --------------------------------------------------------

@@ -103,27 +103,54 @@ def process_group(device: str = "cpu") -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def shard(ids: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, int, int]:
-    """This rank's block of the calibration samples: ``(ids, first token row, batch size)``.
+FOLD = 8  # see fold_size
+
+
+def fold_size(n_batches: int) -> int:
+    """How many consecutive calibration batches an accumulator may sum in float32 before it
+    adds the sum to its exact float64 total (see :class:`HessianAccumulator`): ``FOLD`` from
+    ``FOLD * FOLD`` batches on, else 1. It depends on the batch count alone, and :func:`shard`
+    starts every rank's share at a multiple of it, so one process and up to ``FOLD`` ranks
+    sum the very same groups of batches."""
+    return FOLD if n_batches >= FOLD * FOLD else 1
+
+
+def share(n_batches: int, world: int, rank: int, fold: int) -> tuple[int, int]:
+    """Batches ``[first, stop)`` of ``rank``: a contiguous run of whole groups of ``fold``
+    batches, the first ranks one group more when the groups do not divide."""
+    groups = math.ceil(n_batches / fold)
+    per, extra = divmod(groups, world)
+    first = rank * per + min(rank, extra)
+    return min(n_batches, first * fold), min(n_batches, (first + per + (rank < extra)) * fold)
+
+
+def shard(ids: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, int, int, int]:
+    """This rank's block of the calibration samples: ``(ids, first token row, batch size,
+    fold)`` (``fold``: :func:`fold_size`, the grouping accumulators may use).
 
     Samples are cut into the batches a single process would use and each rank takes a
-    contiguous run of whole batches (the first ranks one more when they do not divide), so
-    rank order is sample order. With fewer batches than ranks the batch size is lowered so
-    every rank has at least one batch.
+    contiguous run of whole groups of ``fold`` batches (:func:`share`), so rank order is
+    sample order. With fewer batches than ranks the batch size is lowered so every rank has
+    at least one batch (and the statistics may then differ from one process's in the last
+    bits, as they do when there are fewer groups than ranks and batches are shared one by one).
     """
-    if not active():
-        return ids, 0, batch_size
     n, seqlen = ids.shape
+    fold = fold_size(math.ceil(n / batch_size))
+    if not active():
+        return ids, 0, batch_size, fold
     w, r = dist.get_world_size(), dist.get_rank()
     if n < w:
         raise OptcError(f"distributed calibration over {w} processes needs at least {w} samples, got {n}")
     if math.ceil(n / batch_size) < w:
         batch_size = n // w
         log.info("calibration batch size lowered to %d so each of %d ranks has a batch", batch_size, w)
-    per, extra = divmod(math.ceil(n / batch_size), w)
-    first = r * per + min(r, extra)
-    start, stop = first * batch_size, min(n, (first + per + (r < extra)) * batch_size)
-    return ids[start:stop], start * seqlen, batch_size
+    n_batches = math.ceil(n / batch_size)
+    if math.ceil(n_batches / fold) < w:
+        log.info("%d ranks for %d groups of %d batches: batches shared one by one", w,
+                 math.ceil(n_batches / fold), fold)
+        fold = 1
+    first, stop = share(n_batches, w, r, fold)
+    return ids[first * batch_size : min(n, stop * batch_size)], first * batch_size * seqlen, batch_size, fold
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,6 +14,15 @@ batches, nor on how they were split between processes: a distributed run gets bi
 Hessian of the one-process run. (A float32 running mean differed by 1e-7 relative, which GPTQ's
 discrete choices amplified into 0.1-0.4% different codes and a 0.2% perplexity difference on the
 default model.) The float64 block rows take the memory of one float32 K x K matrix.
+
+With ``fold > 1`` the products of ``fold`` consecutive batches are first summed in float32 (one
+in-place matmul each) and only that sum is added in float64: the float64 rows are then read
+and written once per ``fold`` batches instead of every batch, 2.3 ms less per 512-token batch on
+the default model's layers (8% of a collecting forward). The engine picks ``fold`` so that every
+process's share of the batches starts at a multiple of it (``distributed.fold_size``), so the
+grouping, and with it the exact total, is still the same however the batches are split.
+Inputs wider than ``_FOLD_MAX_K`` fold every batch: their float32 buffer would cost more memory
+than the fold saves time.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import torch
 
 _BLOCK = 192  # columns per block: large enough for an efficient matmul on each block row
+_FOLD_MAX_K = 4096
 
 
 class HessianAccumulator:
@@ -31,10 +41,15 @@ class HessianAccumulator:
         in_features: int,
         device: torch.device | str | None = None,
         matmul_dtype: torch.dtype | None = None,
+        fold: int = 1,
     ) -> None:
         self.in_features = in_features
         self.matmul_dtype = matmul_dtype
+        # bf16 products are added one by one: a float32 buffer cannot take them in place.
+        self.fold = fold if in_features <= _FOLD_MAX_K and matmul_dtype != torch.bfloat16 else 1
         self.nsamples = 0
+        self._pending: list[torch.Tensor] | None = None  # float32 sums of the last batches
+        self._pending_batches = 0
         self._starts = list(range(0, in_features, _BLOCK))
         # Allocated on the first batch's device unless one is given, so calibration on a
         # GPU keeps H there without the caller having to say so.
@@ -45,8 +60,18 @@ class HessianAccumulator:
         return [torch.zeros(min(s + _BLOCK, K) - s, K - s, dtype=torch.float64, device=device)
                 for s in self._starts]
 
+    def _fold(self) -> None:
+        """Add the float32 sums of the batches since the last fold to the float64 rows."""
+        if self._pending_batches:
+            assert self._rows is not None and self._pending is not None
+            for row, part in zip(self._rows, self._pending):
+                row.add_(part)
+                part.zero_()
+            self._pending_batches = 0
+
     @property
     def H(self) -> torch.Tensor:
+        self._fold()
         K = self.in_features
         if self._rows is None or self.nsamples == 0:
             return torch.zeros(K, K)
@@ -74,8 +99,17 @@ class HessianAccumulator:
         # Opt-in bf16 (autocast calibration): a bf16 matmul is ~2.6x faster on AMX CPUs; its
         # ~0.2% relative error in H is far below GPTQ's dampening.
         x = x.to(device, torch.bfloat16 if self.matmul_dtype == torch.bfloat16 else torch.float32)
-        for s, row in zip(self._starts, self._rows):
-            row.add_(x[:, s:s + row.shape[0]].T @ x[:, s:])
+        if self.fold == 1:
+            for s, row in zip(self._starts, self._rows):
+                row.add_(x[:, s:s + row.shape[0]].T @ x[:, s:])
+        else:
+            if self._pending is None:
+                self._pending = [torch.zeros(r.shape, device=device) for r in self._rows]
+            for s, part in zip(self._starts, self._pending):
+                part.addmm_(x[:, s:s + part.shape[0]].T, x[:, s:])
+            self._pending_batches += 1
+            if self._pending_batches == self.fold:
+                self._fold()
         self.nsamples += x.shape[0]
 
     def merge(self, other: HessianAccumulator) -> None:
@@ -84,6 +118,8 @@ class HessianAccumulator:
             raise ValueError("cannot merge Hessians of different sizes")
         if other.nsamples == 0 or other._rows is None:
             return
+        self._fold()
+        other._fold()
         if self._rows is None:
             self._rows = self._zeros(other._rows[0].device)
         for mine, theirs in zip(self._rows, other._rows):
@@ -93,6 +129,7 @@ class HessianAccumulator:
     def state_dict(self) -> dict[str, torch.Tensor | int]:
         """The float64 sums, flattened into one tensor: additive, so they can be all-reduced
         with a plain sum (exactly, as the sums themselves are)."""
+        self._fold()
         rows = self._rows if self._rows is not None else self._zeros("cpu")
         return {"S": torch.cat([r.reshape(-1) for r in rows]), "nsamples": self.nsamples}
 
@@ -104,4 +141,5 @@ class HessianAccumulator:
             r.copy_(flat[offset:offset + r.numel()].view(r.shape))
             offset += r.numel()
         self._rows = rows
+        self._pending, self._pending_batches = None, 0
         self.nsamples = int(state["nsamples"])

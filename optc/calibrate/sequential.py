@@ -171,6 +171,9 @@ class LayerStep:
     autocast: torch.dtype | None = None
     row_offset: int = 0  # index of this process's first token among all calibration tokens
     world_tokens: int | None = None  # calibration tokens over all processes
+    # Consecutive batches an accumulator may sum in float32 before adding to an exact total
+    # (distributed.fold_size: every process's share starts at a multiple of it).
+    fold: int = 1
 
     @property
     def tokens(self) -> int:
@@ -284,7 +287,7 @@ def run_sequential(
     model.eval()
     stats: list[dict] = []
     world_tokens = ids.shape[0] * ids.shape[1]
-    ids, row_offset, batch_size = distributed.shard(ids, batch_size)
+    ids, row_offset, batch_size, fold = distributed.shard(ids, batch_size)
     if store is not None:
         store.before_capture(model, prefix, layers)
     with torch.inference_mode():
@@ -303,7 +306,7 @@ def run_sequential(
                 store.load(i, name, layer)
             layer.to(device)
             step = LayerStep(i, name, layer, linears, batches, autocast=autocast,
-                             row_offset=row_offset, world_tokens=world_tokens)
+                             row_offset=row_offset, world_tokens=world_tokens, fold=fold)
             layer_stats: dict = {}
             feeds_next = i < len(layers) - 1  # nothing reads the last layer's outputs
             if linears and not propagate:

@@ -86,9 +86,9 @@ class GramAccumulator:
     the calibration set.
     """
 
-    def __init__(self, in_features: int, matmul_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, in_features: int, matmul_dtype: torch.dtype | None = None, fold: int = 1) -> None:
         self.in_features = in_features
-        self.hessian = HessianAccumulator(in_features, matmul_dtype=matmul_dtype)
+        self.hessian = HessianAccumulator(in_features, matmul_dtype=matmul_dtype, fold=fold)
         self.abs_sum = torch.zeros(in_features, dtype=torch.float64)
         self.count = 0
 
