@@ -221,16 +221,45 @@ def solve_gptq(
     """GPTQ for the named Linears of one layer, each from its input's Hessian, yielded one
     by one (``hessians`` is consumed: each Hessian is dropped after its last Linear).
 
-    Linears that read one input share a Hessian but are solved one by one: stacking their
-    rows into one sweep gives the same result but was slower here (the larger working set
-    falls out of cache), so only the accumulation is shared.
+    Linears that read one input (one accumulator: q/k/v after one norm, gate/up) with one
+    scheme are solved as one weight, their rows stacked: GPTQ treats rows independently given
+    H, so each gets the codes of its own solve (bit for bit on the default model), with one
+    Cholesky factor, one sweep and one grid search per group for all of them (20% less time
+    for those Linears).
     """
+    groups: list[list[str]] = []
     for name in names:
-        yield name, gptq_quantize(
-            weight_2d(step.linears[name]).detach(), hessians.pop(name).H, scheme_for(name),
-            mask=masks.get(name),  # a pruned layer: quantize only the kept weights
-            name=name, **options,
+        twin = next((g for g in groups if hessians[g[0]] is hessians[name]
+                     and scheme_for(g[0]) == scheme_for(name) and (g[0] in masks) == (name in masks)), None)
+        if twin is None:
+            groups.append([name])
+        else:
+            twin.append(name)
+    for group in groups:
+        H = hessians[group[0]].H
+        for name in group:
+            hessians.pop(name)
+        weights = [weight_2d(step.linears[n]).detach() for n in group]
+        mask = torch.cat([masks[n] for n in group]) if group[0] in masks else None  # a pruned layer
+        res = gptq_quantize(
+            torch.cat(weights) if len(group) > 1 else weights[0], H, scheme_for(group[0]),
+            mask=mask, name="+".join(group), **options,
         )
+        del H
+        if len(group) == 1:
+            yield group[0], res
+        else:
+            r0 = 0
+            for name, w in zip(group, weights):
+                r1 = r0 + w.shape[0]
+                p = res.params
+                # Own copies: writers store a tensor's storage, not a view of the stacked one.
+                part = QuantParams(p.scheme, p.scale[r0:r1].clone(), p.zero[r0:r1].clone(), p.g_idx.clone())
+                row_loss = res.row_loss[r0:r1]
+                yield name, GPTQResult(res.weight[r0:r1], part, float(row_loss.sum()),
+                                       res.seconds * (r1 - r0) / res.weight.shape[0], row_loss)
+                r0 = r1
+        del res
         trim()  # each solve's temporaries, before the next one fragments the heap further
 
 

@@ -37,6 +37,7 @@ class GPTQResult:
     params: QuantParams  # scale/zero [N, G], g_idx [K] over original column indices
     loss: float  # sum of the OBS error terms (the reference's ``Losses.sum()``)
     seconds: float
+    row_loss: torch.Tensor | None = None  # [N] the same terms per output row (rows are independent)
 
 
 def _inverse_hessian_factor(H: torch.Tensor, dampening: float, name: str) -> torch.Tensor:
@@ -189,7 +190,7 @@ def gptq_quantize(
     del Wf
     QT = torch.empty_like(WT)
     dropT = None if keep is None else ~keep.T.contiguous()
-    loss_acc = torch.zeros((), device=dev)
+    row_loss = torch.zeros(n, device=dev)
     # Grids by group as contiguous rows ([G, N]), so switching groups (every few columns under
     # act-order) copies nothing; written back to scale/zero after the sweep.
     scaleT, zeroT = scale.T.contiguous(), zero.T.float().contiguous()
@@ -240,7 +241,7 @@ def gptq_quantize(
             torch.sub(w, q, out=err).div_(d_rows[i])
             W1[i + 1 :].addr_(h_tails[i], err, alpha=-1)
         # The OBS error (w - q)^2 / (2 [H_F^{-1}]_qq), with [H_F^{-1}]_qq = d^2 (reference Losses).
-        loss_acc += Err1.pow(2).sum() / 2
+        row_loss += Err1.pow(2).sum(dim=0) / 2
         WT[i2:].addmm_(Hinv[i1:i2, i2:].T, Err1, alpha=-1)
     del Hinv, Hinv1, WT, W1  # the refit needs none of them (Hinv1 is a view of Hinv)
 
@@ -264,14 +265,14 @@ def gptq_quantize(
         del H
         Q, params = refit_scales(W.detach().float(), H_orig, Q, params)
     seconds = time.perf_counter() - t0
-    loss = float(loss_acc)
+    loss = float(row_loss.sum())
     if not math.isfinite(loss):
         raise OptcError(
             f"GPTQ failed for layer {name or '<unnamed>'}: non-finite error "
             "(NaN or Inf in the weights or the Hessian)"
         )
     log.debug("GPTQ %s [%dx%d] %s loss %.4g in %.2fs", name, n, k, scheme.label(), loss, seconds)
-    return GPTQResult(weight=Q.to(W.dtype), params=params, loss=loss, seconds=seconds)
+    return GPTQResult(weight=Q.to(W.dtype), params=params, loss=loss, seconds=seconds, row_loss=row_loss)
 
 
 def refit_scales(
