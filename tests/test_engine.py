@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from optc.calibrate.modules import find_decoder_layers, is_linear, select_linears
-from optc.calibrate.sequential import run_sequential
+from optc.calibrate.sequential import _onednn_linear, run_sequential
 from optc.errors import OptcError
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens
 
@@ -60,6 +60,36 @@ def test_noop_solver_reproduces_the_plain_forward(arch: str) -> None:
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert _no_hooks(model) and not model.training
+
+
+@pytest.mark.parametrize("backend", ["mkl", "onednn"])
+def test_cpu_linear_backends_reproduce_the_plain_forward(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OPTC_CPU_LINEAR picks MKL or oneDNN for the calibration forwards; both give the layer
+    outputs of a plain forward, and oneDNN is really the one called when chosen."""
+    monkeypatch.setenv("OPTC_CPU_LINEAR", backend)
+    _onednn_linear.cache_clear()
+    try:
+        model = tiny_model("llama")
+        ids = tiny_tokens(n=3, seqlen=16)
+        expected = _layer_outputs(model, ids)
+        got: list[torch.Tensor] = []
+
+        def solve(step):
+            got.append(torch.cat(step.run()))
+            return {}
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            run_sequential(model, ids, solve, targets=[".*"], ignore=["lm_head"], batch_size=2)
+        used = any(e.name == "mkldnn::_linear_pointwise" for e in prof.events())
+        assert used == (backend == "onednn" and torch.backends.mkldnn.is_available())
+        for e, g in zip(expected, got, strict=True):
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+        monkeypatch.setenv("OPTC_CPU_LINEAR", "blas")
+        _onednn_linear.cache_clear()
+        with pytest.raises(OptcError, match="OPTC_CPU_LINEAR"):
+            run_sequential(model, ids, solve, targets=[".*"], ignore=["lm_head"], batch_size=2)
+    finally:
+        _onednn_linear.cache_clear()
 
 
 def test_targets_select_a_subset() -> None:

@@ -16,18 +16,24 @@ calibration batches and every collect ends with the accumulators reduced across 
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from optc.calibrate import distributed
 from optc.calibrate.modules import find_decoder_layers, select_linears
+from optc.errors import OptcError
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
 
@@ -76,8 +82,51 @@ class _Batch:
     kwargs: dict
 
 
+class _OneDNNLinear(TorchFunctionMode):
+    """Float32 CPU ``F.linear`` through oneDNN instead of MKL's sgemm.
+
+    MKL's GEMM is tuned for Intel CPUs; on an AMD EPYC (AVX2) it reached ~55 GFLOPS on a
+    SmolLM2 MLP's [512, 576] x [576, 1536] where oneDNN reaches ~95, a layer forward 15% faster.
+    """
+
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, w = args[0], args[1]
+            b = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.is_contiguous()
+                    and (b is None or b.dtype == torch.float32)):
+                return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return func(*args, **kwargs)
+
+
+@functools.cache
+def _onednn_linear() -> bool:
+    """Whether calibration forwards on the CPU use :class:`_OneDNNLinear`: on CPUs that are
+    not Intel's (``OPTC_CPU_LINEAR=mkl|onednn`` decides instead). Decided once per process
+    from the CPU, never by timing, so a machine always gets the same checkpoint."""
+    choice = os.environ.get("OPTC_CPU_LINEAR", "auto")
+    if choice not in ("auto", "mkl", "onednn"):
+        raise OptcError(f"OPTC_CPU_LINEAR must be auto, mkl or onednn, got {choice!r}")
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    if choice != "auto":
+        return choice == "onednn"
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    vendor = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("vendor_id")), "")
+    use = vendor not in ("", "GenuineIntel")
+    log.info("CPU %s: calibration forwards run float32 Linears through %s", vendor or "?", "oneDNN" if use else "MKL")
+    return use
+
+
 def _call_layer(layer: nn.Module, batch: _Batch, autocast: torch.dtype | None = None) -> torch.Tensor:
-    if autocast is None:
+    if autocast is None and batch.hidden.device.type == "cpu" and _onednn_linear():
+        with _OneDNNLinear():
+            out = layer(batch.hidden, *batch.args, **batch.kwargs)
+    elif autocast is None:
         out = layer(batch.hidden, *batch.args, **batch.kwargs)
     else:
         # Low-precision matmuls (AMX/tensor cores) for calibration forwards only; the stored
