@@ -223,9 +223,9 @@ def solve_gptq(
 
     Linears that read one input (one accumulator: q/k/v after one norm, gate/up) with one
     scheme are solved as one weight, their rows stacked: GPTQ treats rows independently given
-    H, so each gets the codes of its own solve (bit for bit on the default model), with one
-    Cholesky factor, one sweep and one grid search per group for all of them (20% less time
-    for those Linears).
+    H, so each gets the codes of its own solve (scales to float rounding; the same checkpoint
+    bit for bit on the default model), with one Cholesky factor, one sweep and one grid search
+    per group for all of them (20% less time for those Linears).
     """
     groups: list[list[str]] = []
     for name in names:

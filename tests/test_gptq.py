@@ -6,6 +6,7 @@ import torch
 from optc.calibrate.hessian import HessianAccumulator
 from optc.compress.gptq import gptq_quantize
 from optc.compress.quant import (
+    QuantParams,
     QuantScheme,
     compute_qparams,
     default_g_idx,
@@ -129,6 +130,33 @@ def test_params_requantize_exactly(llama_down_proj, symmetric, group_size, actor
         assert p.actorder == (actorder and groups == "permuted")
     else:
         assert torch.equal(p.g_idx, default_g_idx(k, scheme))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("groups", ["lazy", "static", "permuted"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_stacked_rows_get_their_own_solves(symmetric, groups, masked):
+    """solve_gptq stacks Linears that share a Hessian (q/k/v, gate/up) into one call: GPTQ
+    treats rows independently given H, so each part gets the integer codes of its own solve;
+    its scales and losses may differ in the last float bits (the BLAS blocking of the stacked
+    matmuls and the refit's solves depends on the row count)."""
+    W, X = _correlated_problem(n=72, k=200)
+    H = _hessian(X)
+    scheme = QuantScheme(bits=4, group_size=64, symmetric=symmetric)
+    mask = (torch.rand(W.shape, generator=torch.Generator().manual_seed(1)) > 0.5) if masked else None
+    whole = gptq_quantize(W, H, scheme, groups=groups, mask=mask)
+    r0 = 0
+    for rows in (40, 16, 16):
+        r1 = r0 + rows
+        part = gptq_quantize(W[r0:r1], H, scheme, groups=groups, mask=None if mask is None else mask[r0:r1])
+        p = whole.params
+        mine = QuantParams(scheme, p.scale[r0:r1], p.zero[r0:r1], p.g_idx)
+        assert torch.equal(quantize(part.weight, part.params), quantize(whole.weight[r0:r1], mine))
+        assert torch.equal(part.params.zero, mine.zero) and torch.equal(part.params.g_idx, mine.g_idx)
+        torch.testing.assert_close(part.params.scale, mine.scale, rtol=1e-6, atol=0)
+        torch.testing.assert_close(part.weight, whole.weight[r0:r1], rtol=1e-6, atol=0)
+        torch.testing.assert_close(part.row_loss, whole.row_loss[r0:r1], rtol=1e-5, atol=0)
+        r0 = r1
 
 
 def test_dead_columns():
