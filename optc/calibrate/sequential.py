@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -123,16 +123,16 @@ def _onednn_linear() -> bool:
 
 
 def _call_layer(layer: nn.Module, batch: _Batch, autocast: torch.dtype | None = None) -> torch.Tensor:
-    if autocast is None and batch.hidden.device.type == "cpu" and _onednn_linear():
-        with _OneDNNLinear():
-            out = layer(batch.hidden, *batch.args, **batch.kwargs)
-    elif autocast is None:
-        out = layer(batch.hidden, *batch.args, **batch.kwargs)
-    else:
+    if autocast is not None:
         # Low-precision matmuls (AMX/tensor cores) for calibration forwards only; the stored
         # activations stay in the model's dtype.
-        with torch.autocast(batch.hidden.device.type, dtype=autocast):
-            out = layer(batch.hidden, *batch.args, **batch.kwargs)
+        backend: Any = torch.autocast(batch.hidden.device.type, dtype=autocast)
+    elif batch.hidden.device.type == "cpu" and _onednn_linear():
+        backend = _OneDNNLinear()
+    else:
+        backend = nullcontext()
+    with backend:
+        out = layer(batch.hidden, *batch.args, **batch.kwargs)
     out = out[0] if isinstance(out, tuple) else out
     return out.to(batch.hidden.dtype)
 
