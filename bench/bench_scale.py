@@ -46,7 +46,7 @@ def small_vocab_tokenizer(directory: Path, vocab: int):
     """The default model's tokenizer restricted to token ids below ``vocab``."""
     from transformers import AutoTokenizer
 
-    from optc.models import builtin_model_dir
+    from optc.model.load import builtin_model_dir
 
     source = builtin_model_dir()
     AutoTokenizer.from_pretrained(source).save_pretrained(directory)

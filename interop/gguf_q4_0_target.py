@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM
 from optc.data import CalibrationConfig, evaluation_tokens
 from optc.evaluate.perplexity import paired_difference, perplexity
 from optc.export.convert import export_model
-from optc.models import load_model
-from optc.stages import GPTQStage, Workspace, run_gptq
+from optc.model.load import load_model
+from optc.methods.stages import GPTQStage, Workspace, run_gptq
 
 DATA = Path(os.environ.get("OPTC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 

@@ -22,9 +22,9 @@ import torch
 from optc.data import CalibrationConfig, evaluation_tokens
 from optc.evaluate.perplexity import perplexity, windows_of
 from optc.export.convert import export_model
-from optc.models import load_model
-from optc.pipeline import export_checkpoint
-from optc.stages import RTNStage, W8A8Stage, Workspace, run_rtn, run_w8a8
+from optc.model.load import load_model
+from optc.run.pipeline import export_checkpoint
+from optc.methods.stages import RTNStage, W8A8Stage, Workspace, run_rtn, run_w8a8
 
 DATA = Path(os.environ.get("OPTC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 # "dense" holds the same dequantized weights in float: the runtime's own baseline for them.

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
-from optc.stages import STAGES
+from optc.methods.stages import STAGES
 
 RECIPE_VERSION = 1
 EXPORT_FORMATS = ("dense", "compressed-tensors", "gptq", "awq", "gguf-q4_0", "gguf-q8_0", "gguf-f16")

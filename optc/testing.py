@@ -80,8 +80,8 @@ def write_random_model(
 
     from accelerate import init_empty_weights
 
-    from optc.export.shards import model_state_dict
-    from optc.export.stream_writer import Lazy, write_sharded
+    from optc.model.safetensors_io import model_state_dict
+    from optc.model.safetensors_io import Lazy, write_sharded
 
     directory = Path(directory)
     with init_empty_weights():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from optc.models import LoadedModel, builtin_model_dir, load_model
+from optc.model.load import LoadedModel, builtin_model_dir, load_model
 
 # Tiny models finish a layer in milliseconds: save the resume state after every layer, so the
 # resume tests interrupt at a known layer (subprocesses inherit it). One test sets its own.

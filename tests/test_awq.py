@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from optc.calibrate.modules import find_decoder_layers, weight_2d
+from optc.model.anatomy import find_decoder_layers, weight_2d
 from optc.compress.awq import apply_scale, awq_search_clip, awq_search_scale, gram, resolve_mappings, scaled_gram
 from optc.compress.quant import QuantScheme, compute_qparams, fake_quantize
 from optc.errors import OptcError

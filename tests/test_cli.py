@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 import optc
 from optc.cli.main import app
 from optc.errors import OptcError
-from optc.models import load_model
+from optc.model.load import load_model
 from optc.recipe import load_recipe
-from optc.stages import Workspace, run_rtn
+from optc.methods.stages import Workspace, run_rtn
 
 runner = CliRunner()
 CHECKPOINT_FILES = {
@@ -155,7 +155,7 @@ def test_failed_run_leaves_nothing(tiny_checkpoint: Path, tmp_path: Path, monkey
     def fail(*_args, **_kwargs):
         raise OptcError("disk full (simulated)")
 
-    monkeypatch.setattr("optc.pipeline.write_report", fail)
+    monkeypatch.setattr("optc.run.pipeline.write_report", fail)
     out = tmp_path / "out"
     args = ["run", "w4a16-rtn", "--model", str(tiny_checkpoint), "--output", str(out), "--no-eval", "--format", "dense"]
     assert "disk full" in _error_line(args)

@@ -34,7 +34,7 @@ from optc.export.compressed_tensors import (
     unpack_int32,
     write_pack_quantized,
 )
-from optc.export.shards import INDEX_FILE, model_state_dict, write_safetensors
+from optc.model.safetensors_io import INDEX_FILE, model_state_dict, write_safetensors
 from optc.testing import tiny_model, tiny_tokens
 
 BITS = range(2, 9)

@@ -19,7 +19,7 @@ from optc.calibrate import distributed
 from optc.calibrate.hessian import HessianAccumulator
 from optc.calibrate.observers import ActivationStats, HistogramObserver, MinMaxObserver, MovingAverageMinMaxObserver
 from optc.calibrate.stats import FeatureNormAccumulator, GramAccumulator, InputSampler
-from optc.pipeline import run_recipe
+from optc.run.pipeline import run_recipe
 from optc.recipe import parse_recipe
 
 WORLD = 2

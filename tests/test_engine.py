@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from optc.calibrate.modules import find_decoder_layers, is_linear, select_linears
+from optc.model.anatomy import find_decoder_layers, is_linear, select_linears
 from optc.calibrate.sequential import _onednn_linear, run_sequential
 from optc.errors import OptcError
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from optc.pipeline import evaluate_model
+from optc.run.pipeline import evaluate_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
 
@@ -68,7 +68,7 @@ def test_compressed_tensors_checkpoint_matches_transformers_reader(tmp_path: Pat
     if not TEST_TEXT.is_file():
         pytest.skip(f"{TEST_TEXT} not present (set OPTC_DATA)")
     from optc.recipe import load_recipe
-    from optc.pipeline import run_recipe
+    from optc.run.pipeline import run_recipe
 
     out = tmp_path / "w4"
     recipe = load_recipe("w4a16-rtn")

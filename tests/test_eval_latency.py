@@ -20,7 +20,7 @@ from optc.evaluate.latency import (
     measure_latency,
     percentile,
 )
-from optc.stages import RTNStage, Workspace, run_rtn
+from optc.methods.stages import RTNStage, Workspace, run_rtn
 from optc.testing import tiny_model, tiny_tokens
 
 

@@ -154,7 +154,7 @@ def test_token_cache_is_keyed_by_tokenizer_and_text(default_tokenizer, tmp_path:
 
 
 def test_size_metrics_from_safetensors_headers(tiny_checkpoint: Path) -> None:
-    from optc.models import load_model
+    from optc.model.load import load_model
 
     loaded = load_model(str(tiny_checkpoint))
     size = size_metrics(loaded.model, tiny_checkpoint)

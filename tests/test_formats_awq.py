@@ -19,7 +19,7 @@ from optc.compress.quant import QuantParams, dequantize, quantize
 from optc.errors import OptcError
 from optc.export.awq_format import write_awq
 from optc.export.convert import export_model
-from optc.models import load_model
+from optc.model.load import load_model
 from test_formats_support import (  # noqa: F401 - fixtures
     fp16_tolerance,
     logits,

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from optc.cli.main import app
 from optc.errors import OptcError
 from optc.export.convert import convert_checkpoint, export_model
-from optc.inspect import inspect_checkpoint
-from optc.models import load_model
-from optc.pipeline import run_recipe
+from optc.export.inspect import inspect_checkpoint
+from optc.model.load import load_model
+from optc.run.pipeline import run_recipe
 from optc.recipe import parse_recipe
 from test_formats_support import (  # noqa: F401 - fixtures
     fp16_tolerance,

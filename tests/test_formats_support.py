@@ -15,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from optc.compress.quant import QuantParams
-from optc.stages import RTNStage, Workspace, run_rtn
+from optc.methods.stages import RTNStage, Workspace, run_rtn
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

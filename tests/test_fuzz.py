@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-import optc.models
-import optc.pipeline
+import optc.model.load
+import optc.run.pipeline
 from optc.cli.main import app
 from optc.errors import OptcError
 from optc.recipe import EXPORT_FORMATS, Recipe, apply_overrides, load_recipe, parse_recipe
-from optc.stages import STAGES
+from optc.methods.stages import STAGES
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -178,8 +178,8 @@ def command_lines(draw, paths: dict[str, Path]) -> list[str]:
 
 @pytest.fixture
 def places(tmp_path: Path, monkeypatch) -> dict[str, Path]:
-    monkeypatch.setattr(optc.pipeline, "load_model", _stop_at_load)
-    monkeypatch.setattr(optc.models, "load_model", _stop_at_load)
+    monkeypatch.setattr(optc.run.pipeline, "load_model", _stop_at_load)
+    monkeypatch.setattr(optc.model.load, "load_model", _stop_at_load)
     (tmp_path / "dir").mkdir()
     (tmp_path / "file.txt").write_text("some text " * 10)
     (tmp_path / "bad.yaml").write_text("version: 1\nstages: [{type: gptq, bits: 4}]\n")

@@ -26,9 +26,9 @@ from optc.compress.actquant import (
 from optc.compress.smoothquant import smoothquant_scale
 from optc.errors import OptcError
 from optc.export.compressed_tensors import read_compressed_tensors, write_int_quantized
-from optc.models import load_model
+from optc.model.load import load_model
 from optc.recipe import builtin_recipes, load_recipe, parse_recipe
-from optc.stages import SmoothQuantStage, W8A8Stage, Workspace, run_smoothquant, run_w8a8
+from optc.methods.stages import SmoothQuantStage, W8A8Stage, Workspace, run_smoothquant, run_w8a8
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens
 
 runner = CliRunner()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optc.calibrate.hessian import HessianAccumulator
-from optc.calibrate.modules import select_linears, weight_2d
+from optc.model.anatomy import select_linears, weight_2d
 from optc.calibrate.stats import FeatureNormAccumulator
 from optc.compress.gptq import gptq_quantize
 from optc.compress.masks import nm_mask, nm_violations, parse_pattern
@@ -16,7 +16,7 @@ from optc.compress.sparsegpt import masked_least_squares, sparsegpt_prune
 from optc.compress.wanda import wanda_mask, wanda_scores
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
-from optc.stages import STAGES, Workspace
+from optc.methods.stages import STAGES, Workspace
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens
 
 
@@ -258,7 +258,7 @@ def test_nm_stage_on_every_architecture(arch: str, method: str) -> None:
 def test_sequential_mode_collects_groups_in_execution_order() -> None:
     ws = _workspace("llama")
     seen: list[list[str]] = []
-    import optc.stages as st
+    import optc.methods.stages as st
 
     original = st.sparsegpt_prune
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from optc.calibrate.modules import select_linears, weight_2d
+from optc.model.anatomy import select_linears, weight_2d
 from optc.compress.masks import nm_violations
 from optc.data import CalibrationConfig, evaluation_tokens
 from optc.evaluate.perplexity import perplexity
 from optc.export.checkpoint import directory_bytes
-from optc.stages import STAGES, Workspace
+from optc.methods.stages import STAGES, Workspace
 
 pytestmark = pytest.mark.real_model
 

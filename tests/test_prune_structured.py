@@ -18,7 +18,7 @@ from optc.compress.structured import (
 )
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
-from optc.stages import STAGES, Workspace
+from optc.methods.stages import STAGES, Workspace
 from optc.testing import tiny_model, tiny_tokens
 
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from optc.calibrate.modules import select_linears
+from optc.model.anatomy import select_linears
 from optc.errors import OptcError
 from optc.export.checkpoint import write_dense
 from optc.export.compressed_tensors import write_pack_quantized
-from optc.models import _load_pack_quantized
-from optc.stages import STAGES, Workspace
+from optc.model.load import _load_pack_quantized
+from optc.methods.stages import STAGES, Workspace
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens
 
 
@@ -105,7 +105,7 @@ def test_non_dividing_group_size():
 
 
 def test_non_positive_definite_hessian_names_layer(monkeypatch):
-    import optc.stages as stages
+    import optc.methods.stages as stages
 
     ids = tiny_tokens(4, 32)
     model = tiny_model("llama")

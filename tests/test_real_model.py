@@ -13,8 +13,8 @@ from transformers import AutoModelForCausalLM
 from optc.data import evaluation_tokens
 from optc.evaluate.perplexity import perplexity
 from optc.export.checkpoint import write_dense
-from optc.models import LoadedModel
-from optc.stages import RTNStage, Workspace, run_rtn
+from optc.model.load import LoadedModel
+from optc.methods.stages import RTNStage, Workspace, run_rtn
 
 pytestmark = pytest.mark.real_model
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from optc.calibrate.modules import select_linears, weight_2d
+from optc.model.anatomy import select_linears, weight_2d
 from optc.cli.main import app
 from optc.compress.lora import kd_loss, kd_loss_topk, lora_delta, topk_logits
 from optc.compress.masks import nm_violations
 from optc.compress.quant import fake_quantize, quantize
 from optc.recipe import parse_recipe
-from optc.stages import RTNStage, MagnitudeStage, RecoverStage, Workspace, run_magnitude, run_recover, run_rtn
+from optc.methods.stages import RTNStage, MagnitudeStage, RecoverStage, Workspace, run_magnitude, run_recover, run_rtn
 from optc.testing import tiny_model, tiny_tokens
-from optc.recover import attach_adapters, merge_adapters, train_adapters
+from optc.methods.recover_training import attach_adapters, merge_adapters, train_adapters
 
 runner = CliRunner()
 
@@ -160,8 +160,8 @@ def test_adapter_export_loads_in_peft(tiny_checkpoint, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from optc.models import load_model
-    from optc.pipeline import run_recipe
+    from optc.model.load import load_model
+    from optc.run.pipeline import run_recipe
 
     stages = [{"type": "rtn", "scheme": {"bits": 4, "group_size": 32}},
               {"type": "recover", "steps": 3, "lr": 1e-2, "rank": 4, "batch_size": 2, "samples": 6,
@@ -194,7 +194,7 @@ def test_adapter_export_loads_in_peft(tiny_checkpoint, tmp_path):
 
 
 def test_recover_stage_in_recipe_keeps_2of4(tiny_checkpoint, tmp_path):
-    from optc.pipeline import run_recipe
+    from optc.run.pipeline import run_recipe
 
     stages = [{"type": "magnitude", "pattern": "2:4"},
               {"type": "recover", "steps": 2, "rank": 4, "batch_size": 2, "samples": 4}]
@@ -229,8 +229,8 @@ def test_cli_recover_resume_without_state(tiny_checkpoint, tmp_path):
 
 
 def test_recover_a_pruned_checkpoint_keeps_its_zeros(tiny_checkpoint, tmp_path):
-    from optc.models import load_model
-    from optc.pipeline import run_recipe
+    from optc.model.load import load_model
+    from optc.run.pipeline import run_recipe
 
     run_recipe(_recipe(tiny_checkpoint, [{"type": "magnitude", "pattern": "2:4"}]), tmp_path / "sparse")
     loaded = load_model(str(tmp_path / "sparse"))
@@ -254,7 +254,7 @@ def test_recover_a_pruned_checkpoint_keeps_its_zeros(tiny_checkpoint, tmp_path):
 
 
 def test_rtn_recovery_starts_from_the_float_weights():
-    from optc.recover import float_latents
+    from optc.methods.recover_training import float_latents
 
     model = tiny_model("llama")
     teacher = copy.deepcopy(model)

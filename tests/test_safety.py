@@ -17,11 +17,11 @@ from typer.testing import CliRunner
 
 import optc
 import optc.export.checkpoint as checkpoint
-import optc.pipeline
+import optc.run.pipeline
 from optc.cli.main import app
 from optc.errors import OptcError
 from optc.export.checkpoint import estimate_checkpoint_bytes, is_disk_full
-from optc.models import load_model
+from optc.model.load import load_model
 from optc.testing import tiny_model
 
 SOURCE = Path(optc.__file__).parent
@@ -103,7 +103,7 @@ def test_free_space_is_checked_before_calibration(tiny_checkpoint: Path, tmp_pat
     def no_calibration(*_a, **_k):
         raise AssertionError("calibration started although the checkpoint cannot be written")
 
-    monkeypatch.setattr(optc.stages, "run_sequential", no_calibration)
+    monkeypatch.setattr(optc.methods.stages, "run_sequential", no_calibration)
     out = tmp_path / "out"
     line = _error_line(_quantize(tiny_checkpoint, out, method="gptq"))
     assert re.fullmatch(r"error: not enough disk space for .*out: the checkpoint needs about [\d,]+ MiB, "
@@ -128,7 +128,7 @@ def test_disk_full_mid_write_cleans_up(tiny_checkpoint: Path, tmp_path: Path, mo
         (directory / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 4096)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(optc.pipeline, "export_checkpoint", writer_hits_enospc)
+    monkeypatch.setattr(optc.run.pipeline, "export_checkpoint", writer_hits_enospc)
     out = tmp_path / "out"
     line = _error_line(_quantize(tiny_checkpoint, out))
     assert re.fullmatch(r"error: disk full while writing .*out \(\d+ MiB free\): the partial checkpoint was "
@@ -165,6 +165,6 @@ def test_a_really_full_disk(tiny_checkpoint: Path, small_tmpfs: Path, monkeypatc
     out = small_tmpfs / "ckpt"
     assert "not enough disk space" in _error_line(_quantize(tiny_checkpoint, out, "--format", "dense"))
     # Without the early check, the real writers (safetensors, then tokenizer files) hit ENOSPC.
-    monkeypatch.setattr(optc.pipeline, "check_free_space", lambda *_a: None)
+    monkeypatch.setattr(optc.run.pipeline, "check_free_space", lambda *_a: None)
     assert "disk full while writing" in _error_line(_quantize(tiny_checkpoint, out, "--format", "dense"))
     assert list(small_tmpfs.iterdir()) == []

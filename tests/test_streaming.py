@@ -20,17 +20,17 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
-from optc.calibrate import layerstore
-from optc.calibrate.layerstore import state_dir_for
-from optc.calibrate.streaming import CheckpointSource, meta_model
+from optc.run import state as layerstore
+from optc.run.state import state_dir_for
+from optc.model.lazy import CheckpointSource, meta_model
 from optc.cli.main import app
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.perplexity import perplexity
 from optc.evaluate.streaming import streamed_perplexity
-from optc.export.shards import write_safetensors
-from optc.export.stream_writer import Lazy, file_slices, write_file, write_sharded
+from optc.model.safetensors_io import write_safetensors
+from optc.model.safetensors_io import Lazy, file_slices, write_file, write_sharded
 from optc.memory import trim
-from optc.pipeline import run_recipe
+from optc.run.pipeline import run_recipe
 from optc.recipe import parse_recipe
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens, write_random_model
 
@@ -168,7 +168,7 @@ def test_streaming_refuses_what_it_cannot_do(tiny_dir):
 
 
 def test_auto_streaming_only_when_the_model_does_not_fit(tiny_dir, monkeypatch):
-    from optc.stream_pipeline import wants_streaming
+    from optc.run.streaming import wants_streaming
 
     assert not wants_streaming(_recipe(tiny_dir, streaming="auto"))
 
@@ -271,8 +271,8 @@ def test_sigkill_then_resume_gives_the_same_checkpoint(runs, tiny_dir, tmp_path)
     script = (
         "import json, os, signal, sys\n"
         "from pathlib import Path\n"
-        "from optc.calibrate import layerstore\n"
-        "from optc.pipeline import run_recipe\n"
+        "from optc.run import state as layerstore\n"
+        "from optc.run.pipeline import run_recipe\n"
         "from optc.recipe import parse_recipe\n"
         "done = layerstore.LayerStore.done\n"
         "def kill(self, i, *a, **k):\n"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from optc.pipeline import run_recipe
+from optc.run.pipeline import run_recipe
 from optc.recipe import load_recipe
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]

@@ -32,13 +32,13 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from optc.calibrate import distributed
-from optc.calibrate.modules import find_decoder_layers, select_linears
+from optc.model.anatomy import find_decoder_layers, select_linears
 from optc.errors import OptcError
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
-    from optc.calibrate.layerstore import LayerStore
+    from optc.run.state import LayerStore
 
 log = logging.getLogger(__name__)
 

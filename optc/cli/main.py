@@ -201,7 +201,7 @@ def _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windo
 
 def _run(recipe_name: str, overrides: dict, output, overwrite, device, trust_remote_code, no_eval, as_json, stages: list | None = None, gates: list[str] | None = None, quiet: bool = False, resume: bool = False) -> None:
     from optc.calibrate.distributed import is_main_process
-    from optc.pipeline import run_recipe
+    from optc.run.pipeline import run_recipe
     from optc.recipe import apply_overrides, parse_recipe, read_recipe_data, resolve_recipe
 
     path = resolve_recipe(recipe_name)
@@ -343,7 +343,7 @@ def recover(
     gate: GateOpt = None, quiet: QuietOpt = False,
 ) -> None:
     """Recover accuracy with a LoRA fine-tune distilled from the float model; masks and grids are kept."""
-    from optc.models import checkpoint_is_quantized
+    from optc.model.load import checkpoint_is_quantized
     from optc.recipe import read_recipe_data, resolve_recipe
 
     data = read_recipe_data(resolve_recipe(recipe))
@@ -404,7 +404,7 @@ def eval_(
     streaming: Annotated[bool, typer.Option("--streaming", help="Layer-major evaluation, one decoder layer in memory at a time (perplexity and size; models larger than memory).")] = False,
 ) -> None:
     """Perplexity with a 95% interval, KL and top-1 agreement against --baseline, size, latency; gates for CI."""
-    from optc.pipeline import evaluate_model
+    from optc.run.pipeline import evaluate_model
 
     task_list = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
     report = evaluate_model(
@@ -461,7 +461,7 @@ def inspect(
     as_json: JsonOpt = False,
 ) -> None:
     """What a checkpoint holds: format, bits, group size, sparsity, size, parameters."""
-    from optc.inspect import inspect_checkpoint
+    from optc.export.inspect import inspect_checkpoint
 
     info = inspect_checkpoint(path)
     if as_json:

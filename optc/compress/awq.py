@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from optc.calibrate.modules import weight_2d
+from optc.model.anatomy import weight_2d
 from optc.compress.quant import QuantScheme, compute_qparams, fake_quantize
 from optc.errors import OptcError
 

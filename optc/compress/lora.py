@@ -1,6 +1,6 @@
 """LoRA updates that respect pruning masks and quantization grids, and distillation losses.
 
-Pure tensor functions; the training loop that uses them is :mod:`optc.recover`.
+Pure tensor functions; the training loop that uses them is :mod:`optc.methods.recover_training`.
 
 - LoRA (Hu et al. 2021, sec. 4.1): a frozen ``W0`` ([N, K]) is adapted by ``dW = (alpha / r) B A``
   with ``A`` [r, K], ``B`` [N, r] and ``B = 0`` at the start, so training starts from the

@@ -20,7 +20,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from optc.calibrate.modules import is_linear
+from optc.model.anatomy import is_linear
 from optc.compress.awq import Mapping, apply_scale, resolve_mappings
 from optc.errors import OptcError
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from optc.calibrate.modules import weight_2d
+from optc.model.anatomy import weight_2d
 from optc.errors import OptcError
 
 log = logging.getLogger(__name__)

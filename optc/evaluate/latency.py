@@ -35,7 +35,7 @@ from typing import Literal
 
 import torch
 
-from optc.calibrate.modules import weight_2d
+from optc.model.anatomy import weight_2d
 from optc.compress.quant import QuantParams, QuantScheme, compute_qparams, default_g_idx, quantize
 
 log = logging.getLogger(__name__)

@@ -253,7 +253,7 @@ def evaluation_token_cache(tokenizer, dataset: str, use_cache: bool = True) -> t
     different tokenizer never reads stale ids.
     """
     from optc.data import load_text, tokenize
-    from optc.models import cache_dir
+    from optc.model.load import cache_dir
 
     text = load_text(dataset, "evaluation")
     if not use_cache:

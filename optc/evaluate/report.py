@@ -267,7 +267,7 @@ def layer_statistics(
     ``errors`` come from the stages that quantized (measured against the weights they saw);
     without them, a ``reference`` model (the baseline) gives ``||W - W_ref|| / ||W_ref||``.
     """
-    from optc.calibrate.modules import select_linears, weight_2d
+    from optc.model.anatomy import select_linears, weight_2d
 
     schemes, errors = schemes or {}, errors or {}
     try:

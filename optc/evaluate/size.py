@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from optc.calibrate.modules import select_linears, weight_2d
+from optc.model.anatomy import select_linears, weight_2d
 from optc.errors import OptcError
 
 # Tensor-name suffixes that belong to one quantized Linear's storage (compressed-tensors,

@@ -21,7 +21,7 @@ from optc.evaluate.latency import KernelChoice, apply_kernels, float_summary, me
 from optc.evaluate.perplexity import evaluate_windows, evaluation_token_cache, paired_difference
 from optc.evaluate.report import layer_statistics
 from optc.evaluate.size import size_metrics
-from optc.models import LoadedModel
+from optc.model.load import LoadedModel
 from optc.progress import NullProgress, Progress
 
 log = logging.getLogger(__name__)

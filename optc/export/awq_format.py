@@ -36,7 +36,7 @@ from optc.export.gptq_format import (
     uniform_scheme,
     write_config,
 )
-from optc.export.shards import model_state_dict, write_safetensors
+from optc.model.safetensors_io import model_state_dict, write_safetensors
 
 log = logging.getLogger(__name__)
 

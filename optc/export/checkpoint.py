@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from optc.calibrate.modules import weight_2d
+from optc.model.anatomy import weight_2d
 from optc.errors import OptcError
 
 log = logging.getLogger(__name__)

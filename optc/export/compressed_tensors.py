@@ -33,7 +33,7 @@ from optc.calibrate.observers import OBSERVERS
 from optc.compress.actquant import ActivationScheme, InputQuant
 from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize, quantize
 from optc.errors import OptcError
-from optc.export.shards import model_state_dict, read_safetensors, write_safetensors
+from optc.model.safetensors_io import model_state_dict, read_safetensors, write_safetensors
 from optc.memory import trim
 
 log = logging.getLogger(__name__)

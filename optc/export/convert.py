@@ -61,7 +61,7 @@ def scheme_fits(scheme: QuantScheme, fmt: str, permuted_groups: bool = False) ->
 
 def check_recipe_export(recipe) -> None:
     """Refuse, before any calibration, a recipe whose schemes its export format cannot hold."""
-    from optc.stages import QUANT_STAGES
+    from optc.methods.stages import QUANT_STAGES
 
     fmt = recipe.export.format
     if fmt not in FORMATS:
@@ -151,7 +151,7 @@ def convert_checkpoint(
     """
     from optc.compress.actquant import input_quant_of
     from optc.export.checkpoint import check_free_space, check_output, estimate_checkpoint_bytes
-    from optc.models import load_model
+    from optc.model.load import load_model
 
     check_format(fmt)
     output = Path(output)

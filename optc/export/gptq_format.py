@@ -32,7 +32,7 @@ import optc
 from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize, quantize
 from optc.errors import OptcError
 from optc.export.compressed_tensors import pack_int32, unpack_int32
-from optc.export.shards import model_state_dict, write_safetensors
+from optc.model.safetensors_io import model_state_dict, write_safetensors
 
 log = logging.getLogger(__name__)
 

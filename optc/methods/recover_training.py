@@ -31,7 +31,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from optc.calibrate.modules import select_linears, set_weight_2d, weight_2d
+from optc.model.anatomy import select_linears, set_weight_2d, weight_2d
 from optc.compress.actquant import input_quant_of
 from optc.compress.lora import (
     cross_entropy,
@@ -48,7 +48,7 @@ from optc.errors import OptcError
 from optc.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
-    from optc.stages import RecoverStage
+    from optc.methods.stages import RecoverStage
 
 log = logging.getLogger(__name__)
 

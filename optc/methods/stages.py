@@ -18,9 +18,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optc.calibrate.hessian import HessianAccumulator
-from optc.calibrate.layerstore import LayerStore
-from optc.calibrate.modules import check_patterns, select_linears, set_weight_2d, weight_2d
-from optc.calibrate.modules import find_decoder_layers
+from optc.run.state import LayerStore
+from optc.model.anatomy import check_patterns, select_linears, set_weight_2d, weight_2d
+from optc.model.anatomy import find_decoder_layers
 from optc.calibrate.observers import ActivationStats, MinMaxObserver
 from optc.calibrate.sequential import LayerStep, run_sequential
 from optc.calibrate.stats import Discard, FeatureNormAccumulator, GramAccumulator
@@ -61,7 +61,7 @@ from optc.data import CalibrationConfig, calibration_chunks
 from optc.errors import OptcError
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
-from optc.recover import (
+from optc.methods.recover_training import (
     Adapter,
     attach_adapters,
     check_recoverable,
@@ -882,7 +882,7 @@ def run_structured(ws: Workspace, cfg: StructuredStage) -> dict:
 class RecoverStage(_Stage):
     """LoRA fine-tuning of the compressed model (Hu et al. 2021) with next-token
     cross-entropy, distillation from the uncompressed model (Hinton et al. 2015), or a mix;
-    pruning masks and quantization grids are kept (see optc.recover)."""
+    pruning masks and quantization grids are kept (see optc.methods.recover_training)."""
 
     type: Literal["recover"]
     steps: int | None = Field(None, gt=0, description="optimizer steps (deterministic budget)")

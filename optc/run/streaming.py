@@ -2,9 +2,9 @@
 
 Streaming (``calibration.streaming``): the model is built on the meta device (no weights), the
 quantization stage runs layer by layer with each decoder layer read from the input's
-safetensors shards only while it is calibrated (:class:`optc.calibrate.layerstore.LayerStore`),
+safetensors shards only while it is calibrated (:class:`optc.run.state.LayerStore`),
 and each compressed layer goes to disk at once. The checkpoint is then assembled from those
-parts and the input's other tensors one tensor at a time (:mod:`optc.export.stream_writer`),
+parts and the input's other tensors one tensor at a time (:mod:`optc.model.safetensors_io`),
 and both models are evaluated layer-major (:mod:`optc.evaluate.streaming`). The checkpoint is
 byte for byte the one the in-memory path writes.
 
@@ -26,9 +26,9 @@ import torch
 
 import optc
 from optc.calibrate import distributed
-from optc.calibrate.layerstore import LayerStore, state_dir_for
-from optc.calibrate.modules import find_decoder_layers
-from optc.calibrate.streaming import CheckpointSource, local_model_dir, meta_model
+from optc.run.state import LayerStore, state_dir_for
+from optc.model.anatomy import find_decoder_layers
+from optc.model.lazy import CheckpointSource, local_model_dir, meta_model
 from optc.data import check_disjoint
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.perplexity import evaluation_token_cache
@@ -36,13 +36,13 @@ from optc.evaluate.report import new_report, stage_layer_info, write_report
 from optc.evaluate.streaming import streamed_perplexity
 from optc.export.checkpoint import check_output, directory_bytes, staged_output
 from optc.export.compressed_tensors import write_pack_quantized_config
-from optc.export.shards import model_state_dict
-from optc.export.stream_writer import Lazy, write_sharded
+from optc.model.safetensors_io import model_state_dict
+from optc.model.safetensors_io import Lazy, write_sharded
 from optc.memory import limit_fragmentation
-from optc.models import DEFAULT_MODEL, DTYPES
+from optc.model.load import DEFAULT_MODEL, DTYPES
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
-from optc.stages import STAGES, Workspace
+from optc.methods.stages import STAGES, Workspace
 
 if TYPE_CHECKING:
     from optc.evaluate.suite import EvalOptions
@@ -260,10 +260,10 @@ def run_streaming(
     gate_list: list | None = None,
     resume: bool = False,
 ) -> dict:
-    """:func:`optc.pipeline.run_recipe` for a model read one layer at a time."""
+    """:func:`optc.run.pipeline.run_recipe` for a model read one layer at a time."""
     from optc.evaluate.gates import check_gates
     from optc.evaluate.size import size_metrics
-    from optc.pipeline import _add_eval_details, _stage_summary, parse_size
+    from optc.run.pipeline import _add_eval_details, _stage_summary, parse_size
 
     progress = progress or NullProgress()
     problem = streaming_problem(recipe)

@@ -27,7 +27,7 @@ deterministic), restores the saved layers, loads the saved activations and conti
 gives the same bytes as an uninterrupted run on the same machine and thread count.
 
 When streaming, the store also loads each layer from the input shards just before it is
-calibrated (:func:`optc.calibrate.streaming.materialize`) and frees it once its compressed
+calibrated (:func:`optc.model.lazy.materialize`) and frees it once its compressed
 tensors are on disk, so memory holds one layer at a time.
 """
 
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from optc.calibrate.streaming import (
+from optc.model.lazy import (
     CheckpointSource,
     is_materialized,
     linear_summary,
@@ -54,7 +54,7 @@ from optc.calibrate.streaming import (
 )
 from optc.compress.quant import QuantParams, QuantScheme
 from optc.errors import OptcError
-from optc.export.stream_writer import file_slices, write_file
+from optc.model.safetensors_io import file_slices, write_file
 
 log = logging.getLogger(__name__)
 

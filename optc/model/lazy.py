@@ -21,14 +21,14 @@ from torch import nn
 
 from optc.errors import OptcError
 from optc.memory import trim
-from optc.export.stream_writer import FileSlice, checkpoint_files, read_header
+from optc.model.safetensors_io import FileSlice, checkpoint_files, read_header
 
 log = logging.getLogger(__name__)
 
 
 def local_model_dir(source: str | None) -> Path:
     """The local directory holding ``source``'s config and safetensors weights."""
-    from optc.models import _BUILTIN, DEFAULT_MODEL, builtin_model_dir
+    from optc.model.load import _BUILTIN, DEFAULT_MODEL, builtin_model_dir
 
     source = source or DEFAULT_MODEL
     if source in _BUILTIN:
@@ -154,7 +154,7 @@ def materialize(module: nn.Module, source: CheckpointSource, prefix: str = "", e
     """Read ``module``'s meta parameters and persistent buffers (named ``prefix + key`` in the
     source) into memory, in the dtype the module declares. Submodules under ``exclude`` and
     tensors already in memory are left alone; tied weights are tied again afterwards."""
-    from optc.export.shards import tied_keys
+    from optc.model.safetensors_io import tied_keys
 
     wanted: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
@@ -214,7 +214,7 @@ def tensor_counts(module: nn.Module, exclude: str | None = None) -> tuple[int, i
 
 def linear_summary(layer: nn.Module, name: str) -> dict[str, dict]:
     """Shape, zero count and sparsity of each Linear of a decoder layer (the report's rows)."""
-    from optc.calibrate.modules import is_linear, weight_2d
+    from optc.model.anatomy import is_linear, weight_2d
 
     out = {}
     for n, m in layer.named_modules():

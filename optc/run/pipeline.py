@@ -11,7 +11,7 @@ import torch
 import yaml
 
 from optc.calibrate.distributed import is_main_process, process_group
-from optc.calibrate.modules import select_linears
+from optc.model.anatomy import select_linears
 from optc.compress.actquant import input_quant_of
 from optc.data import check_disjoint
 from optc.errors import OptcError
@@ -28,11 +28,11 @@ from optc.export.checkpoint import staged_output, write_dense
 from optc.export.convert import FORMATS as CONVERT_FORMATS
 from optc.export.convert import check_recipe_export, export_model
 from optc.memory import trim
-from optc.models import load_model
+from optc.model.load import load_model
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
-from optc.recover import check_recoverable, restore_base, write_adapter
-from optc.stages import QUANT_STAGES, STAGES, Workspace
+from optc.methods.recover_training import check_recoverable, restore_base, write_adapter
+from optc.methods.stages import QUANT_STAGES, STAGES, Workspace
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def run_recipe(
     evaluates and writes; the other ranks return a report without metrics.
     Finished layers of the calibrated stages are saved beside ``output`` as they complete;
     ``resume`` continues from them after a crash or Ctrl-C (same bytes as an uninterrupted run).
-    A model that does not fit in memory runs streaming (:mod:`optc.stream_pipeline`).
+    A model that does not fit in memory runs streaming (:mod:`optc.run.streaming`).
     """
     with process_group(device):
         return _run_recipe(recipe, output, overwrite=overwrite, device=device, trust_remote_code=trust_remote_code,
@@ -102,7 +102,7 @@ def _run_recipe(
     gates: list[str] | None = None,
     resume: bool = False,
 ) -> dict:
-    from optc.stream_pipeline import baseline_perplexity, keeping_progress, open_store, run_streaming, wants_streaming
+    from optc.run.streaming import baseline_perplexity, keeping_progress, open_store, run_streaming, wants_streaming
 
     progress = progress or NullProgress()
     gate_list = _recipe_gates(recipe, gates, output)  # parsed before any work
@@ -372,7 +372,7 @@ def evaluate_model(
     EvaluationConfig(dataset=dataset, seqlen=seqlen, windows=windows, stride=stride, batch_size=batch_size)
     report = new_report(source or "smollm2-135m", command="eval")
     if streaming:
-        from optc.stream_pipeline import evaluate_streaming
+        from optc.run.streaming import evaluate_streaming
 
         report["baseline"] = baseline
         evaluate_streaming(source, baseline, opts, report, progress)
