@@ -22,6 +22,7 @@ demo: install
 	$(OPTC) run w4a16-rtn --output out/demo --overwrite
 
 test: install
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 test-slow: install

@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from optc.evaluate.protocol import EvalProtocol
 from optc.run.pipeline import evaluate_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.real_model]
@@ -44,12 +45,12 @@ def test_fixed_protocol_matches_plain_transformers(default_model_dir: Path) -> N
     model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     ids = tok(TEST_TEXT.read_text(encoding="utf-8"), add_special_tokens=False, return_tensors="pt").input_ids[0]
-    evaluate_model("smollm2-135m", dataset=str(TEST_TEXT), seqlen=SEQLEN, windows=1)  # warm the token cache
+    evaluate_model("smollm2-135m", EvalProtocol(dataset=str(TEST_TEXT), seqlen=SEQLEN, windows=1))  # warm the token cache
     # The plain loop's halves run before and after optc, so a machine whose load drifts
     # during the test (other jobs) slows both sides alike.
     nll_a, n_a, s_a = _plain_loop(model, ids, range(WINDOWS // 2))
     t0 = time.perf_counter()
-    report = evaluate_model("smollm2-135m", dataset=str(TEST_TEXT), seqlen=SEQLEN, windows=WINDOWS)
+    report = evaluate_model("smollm2-135m", EvalProtocol(dataset=str(TEST_TEXT), seqlen=SEQLEN, windows=WINDOWS))
     optc_total = time.perf_counter() - t0
     nll_b, n_b, s_b = _plain_loop(model, ids, range(WINDOWS // 2, WINDOWS))
     plain_ppl, plain_s = math.exp((nll_a + nll_b) / (n_a + n_b)), s_a + s_b
@@ -75,7 +76,7 @@ def test_compressed_tensors_checkpoint_matches_transformers_reader(tmp_path: Pat
     recipe.evaluation = None
     run_recipe(recipe, out)
     windows = 4
-    ours = evaluate_model(str(out), dataset=str(TEST_TEXT), seqlen=SEQLEN, windows=windows)
+    ours = evaluate_model(str(out), EvalProtocol(dataset=str(TEST_TEXT), seqlen=SEQLEN, windows=windows))
     ours_ppl = ours["metrics"]["perplexity_model"]["perplexity"]
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(out)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -33,12 +33,10 @@ from torch.overrides import TorchFunctionMode
 
 from optc.calibrate import distributed
 from optc.model.anatomy import find_decoder_layers, select_linears
+from optc.model.forward import Batch, StopForward, capture_first_layer_inputs, layers_detached
 from optc.errors import OptcError
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
-
-if TYPE_CHECKING:
-    from optc.run.state import LayerStore
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +45,17 @@ class Accumulator(Protocol):
     def add(self, x: torch.Tensor) -> None: ...
 
 
-class _StopForward(Exception):
-    """Raised by the capture hook once the first layer's inputs are stored."""
+class LayerStore(Protocol):
+    """Where finished layers go (the run's resume state, or disk when streaming), called around
+    every decoder layer; :class:`optc.run.state.LayerStore` is the one the run passes."""
+
+    streaming: bool
+
+    def before_capture(self, model: nn.Module, prefix: str, layers: nn.ModuleList) -> None: ...
+    def start(self, model: nn.Module, prefix: str, layers: nn.ModuleList, batches: list) -> int: ...
+    def restore(self, i: int, name: str, layer: nn.Module, records: dict | None) -> dict: ...
+    def load(self, i: int, name: str, layer: nn.Module) -> None: ...
+    def done(self, i: int, name: str, layer: nn.Module, stats: dict, batches: list, records: dict | None, last: bool) -> None: ...
 
 
 @contextmanager
@@ -73,13 +80,6 @@ def input_hooks(
     finally:
         for h in handles:
             h.remove()
-
-
-@dataclass
-class _Batch:
-    hidden: torch.Tensor
-    args: tuple
-    kwargs: dict
 
 
 class _OneDNNLinear(TorchFunctionMode):
@@ -122,7 +122,7 @@ def _onednn_linear() -> bool:
     return use
 
 
-def _call_layer(layer: nn.Module, batch: _Batch, autocast: torch.dtype | None = None) -> torch.Tensor:
+def _call_layer(layer: nn.Module, batch: Batch, autocast: torch.dtype | None = None) -> torch.Tensor:
     if autocast is not None:
         # Low-precision matmuls (AMX/tensor cores) for calibration forwards only; the stored
         # activations stay in the model's dtype.
@@ -137,76 +137,6 @@ def _call_layer(layer: nn.Module, batch: _Batch, autocast: torch.dtype | None = 
     return out.to(batch.hidden.dtype)
 
 
-@contextmanager
-def _layers_detached(model: nn.Module, prefix: str) -> Iterator[nn.ModuleList]:
-    """Temporarily take the decoder stack out of the model (to move the rest to a device)."""
-    parent_name, _, attr = prefix.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    layers = getattr(parent, attr)
-    setattr(parent, attr, nn.ModuleList())
-    try:
-        yield layers
-    finally:
-        setattr(parent, attr, layers)
-
-
-def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, tuple):
-        return tuple(_to(o, device) for o in obj)
-    if isinstance(obj, list):
-        return [_to(o, device) for o in obj]
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
-
-
-def _same_or(previous: Any, value: Any) -> Any:
-    """``previous`` where it holds exactly the same tensors as ``value``, else ``value``."""
-    if isinstance(value, torch.Tensor) and isinstance(previous, torch.Tensor):
-        same = previous.shape == value.shape and previous.dtype == value.dtype and torch.equal(previous, value)
-        return previous if same else value
-    if isinstance(value, tuple) and isinstance(previous, tuple) and len(value) == len(previous):
-        shared = tuple(_same_or(p, v) for p, v in zip(previous, value))
-        return previous if all(a is b for a, b in zip(shared, previous)) else value
-    return value
-
-
-def capture_first_layer_inputs(
-    model: nn.Module, ids: torch.Tensor, batch_size: int, device: torch.device
-) -> list[_Batch]:
-    """Run the model on ``ids`` up to its first decoder layer and keep that layer's inputs."""
-    prefix, layers = find_decoder_layers(model)
-    batches: list[_Batch] = []
-
-    def pre_hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        rest = args[1:] if args else ()
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value")}
-        kwargs["use_cache"] = False
-        if batches:  # one copy of what every batch shares (rotary cos/sin, position ids)
-            kwargs = {k: _same_or(batches[-1].kwargs.get(k), v) for k, v in kwargs.items()}
-        batches.append(_Batch(hidden.detach(), rest, kwargs))
-        raise _StopForward
-
-    with _layers_detached(model, prefix) as detached:
-        model.to(device)
-    handle = layers[0].register_forward_pre_hook(pre_hook, with_kwargs=True)
-    try:
-        layers[0].to(device)
-        for start in range(0, ids.shape[0], batch_size):
-            try:
-                model(ids[start : start + batch_size].to(device), use_cache=False)
-            except _StopForward:
-                pass
-    finally:
-        handle.remove()
-        layers[0].to("cpu")
-        del detached
-    return batches
-
-
 @dataclass
 class LayerStep:
     """One decoder layer during calibration, handed to a solver."""
@@ -215,7 +145,7 @@ class LayerStep:
     name: str
     layer: nn.Module
     linears: dict[str, nn.Module]  # full model names -> modules inside this layer
-    batches: list[_Batch]
+    batches: list[Batch]
     forwards: int = field(default=0)
     autocast: torch.dtype | None = None
     row_offset: int = 0  # index of this process's first token among all calibration tokens
@@ -264,14 +194,14 @@ class LayerStep:
             if stop is None:
                 order.append(name)
             elif name == stop[0] and sum(n == name for _, n in seen) == stop[1]:
-                raise _StopForward
+                raise StopForward
 
         self.forwards += 1
         with torch.inference_mode(), input_hooks({n: self.linears[n] for n in names}, feed):
             for i, b in enumerate(self.batches):
                 try:
                     _call_layer(self.layer, b, self.autocast)
-                except _StopForward:
+                except StopForward:
                     pass
                 if i == 0 and order:
                     stop = (order[-1], order.count(order[-1]))
@@ -379,7 +309,7 @@ def run_sequential(
             log.debug("layer %s done in %.2fs", name, layer_stats["seconds"])
             advance()
     if store is None or not store.streaming:  # streaming: nothing of the model is in memory now
-        with _layers_detached(model, prefix):
+        with layers_detached(model, prefix):
             model.to("cpu")
     model.train(was_training)
     return stats

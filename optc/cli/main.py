@@ -20,6 +20,7 @@ from rich.table import Table
 
 import optc
 from optc.errors import Interrupted, OptcError
+from optc.evaluate.protocol import KERNEL_CHOICES, EvalProtocol, LatencyOptions
 
 app = typer.Typer(
     name="optc",
@@ -33,6 +34,10 @@ app.add_typer(recipes_app, name="recipes")
 
 console = Console()
 err_console = Console(stderr=True)
+
+# The one evaluation protocol's defaults (recipes' evaluation: block uses the same).
+_PROTOCOL = EvalProtocol()
+_LATENCY = LatencyOptions()
 
 # Options shared by every command, with one meaning everywhere.
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="HF directory, hub id, .gguf file, or 'smollm2-135m' (default).")]
@@ -386,18 +391,19 @@ def _parse_structured(text: str) -> dict[str, float]:
 def eval_(
     model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory, hub id, .gguf file, or built-in name.")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="Compare against this model.")] = None,
-    dataset: Annotated[str, typer.Option("--dataset", help="Evaluation text: builtin, wikitext2, c4, or a path.")] = "builtin",
-    seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per window.")] = 512,
-    windows: WindowsOpt = None,
+    dataset: Annotated[str, typer.Option("--dataset", help="Evaluation text: builtin, wikitext2, c4, or a path.")] = _PROTOCOL.dataset,
+    seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per window.")] = _PROTOCOL.seqlen,
+    windows: Annotated[Optional[int], typer.Option("--windows", help=f"Evaluate the first N windows (default {_PROTOCOL.windows}, as recipes do; --all-windows for the whole text).")] = None,
+    all_windows: Annotated[bool, typer.Option("--all-windows", help="Evaluate every window of the text.")] = False,
     stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride (default: seqlen).")] = None,
-    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward.")] = 1,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward.")] = _PROTOCOL.batch_size,
     output: OutputOpt = None, overwrite: OverwriteOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False,
     latency: Annotated[bool, typer.Option("--latency", help="Time prefill and decode (batch 1, CPU) on low-precision kernels; against --baseline too.")] = False,
-    kernel: Annotated[str, typer.Option("--kernel", help="Latency kernels: auto, int4, int8-dynamic, int8-weight-only or float.")] = "auto",
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Latency: prompt length.")] = 128,
-    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Latency: tokens decoded per run.")] = 32,
-    repeats: Annotated[int, typer.Option("--repeats", help="Latency: timed runs per model.")] = 5,
+    kernel: Annotated[str, typer.Option("--kernel", help=f"Latency kernels: {', '.join(KERNEL_CHOICES)}.")] = _LATENCY.kernel,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Latency: prompt length.")] = _LATENCY.prompt_tokens,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", help="Latency: tokens decoded per run.")] = _LATENCY.new_tokens,
+    repeats: Annotated[int, typer.Option("--repeats", help="Latency: timed runs per model.")] = _LATENCY.repeats,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Latency: torch threads (default: torch's).")] = None,
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="lm-eval-harness tasks, comma-separated (needs lm-eval and its data).")] = None,
     no_cache: Annotated[bool, typer.Option("--no-cache", help="Tokenize the evaluation text again instead of using the disk cache.")] = False,
@@ -406,12 +412,15 @@ def eval_(
     """Perplexity with a 95% interval, KL and top-1 agreement against --baseline, size, latency; gates for CI."""
     from optc.run.pipeline import evaluate_model
 
+    if all_windows and windows is not None:
+        raise OptcError("--windows and --all-windows exclude each other")
+    protocol = EvalProtocol(dataset=dataset, seqlen=seqlen, stride=stride, batch_size=batch_size,
+                            windows=None if all_windows else (windows or _PROTOCOL.windows))
+    timing = LatencyOptions(kernel=kernel, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats, threads=threads)
     task_list = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
     report = evaluate_model(
-        model, dataset=dataset, seqlen=seqlen, windows=windows, stride=stride, batch_size=batch_size,
-        baseline=baseline, output=output, overwrite=overwrite, progress=_progress(quiet), gates=gate,
-        latency=latency, kernel=kernel, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-        repeats=repeats, threads=threads, tasks=task_list, cache=not no_cache, streaming=streaming,
+        model, protocol, baseline=baseline, output=output, overwrite=overwrite, progress=_progress(quiet),
+        gates=gate, latency=timing if latency else None, tasks=task_list, cache=not no_cache, streaming=streaming,
     )
     _finish(report, as_json, quiet)
 

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from optc.evaluate.stats import mean_ci
+
 # Rows per log-softmax chunk: bounds the temporary [rows, vocab] tensors (~100 MB at 49k vocab).
 _CHUNK = 512
 
@@ -82,7 +84,6 @@ class DivergenceAccumulator:
         self._all.append(kl.float())
 
     def result(self) -> DivergenceResult:
-        from optc.evaluate.perplexity import mean_ci
 
         if not self.count:
             raise ValueError("no tokens were scored")

@@ -31,17 +31,15 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 from optc.model.anatomy import weight_2d
+from optc.evaluate.protocol import KernelChoice
 from optc.compress.quant import QuantParams, QuantScheme, compute_qparams, default_g_idx, quantize
 
 log = logging.getLogger(__name__)
 
-KernelChoice = Literal["auto", "int4", "int8-dynamic", "int8-weight-only", "float"]
-KERNEL_CHOICES = ("auto", "int4", "int8-dynamic", "int8-weight-only", "float")
 
 INT4_KERNEL = "aten._weight_int4pack_mm_for_cpu (int4 weight-only, bf16 activations)"
 INT8_DYNAMIC_KERNEL = "aten._int_mm (int8 weights, int8 dynamic per-token activations)"

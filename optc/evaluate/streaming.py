@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from optc.model.anatomy import find_decoder_layers
-from optc.calibrate.sequential import capture_first_layer_inputs
+from optc.model.forward import capture_first_layer_inputs
 from optc.model.lazy import CheckpointSource, linear_summary, materialize, release, tensor_counts
 from optc.evaluate.perplexity import PerplexityResult, _check_protocol, _WindowScores, windows_of
 from optc.progress import NullProgress, Progress

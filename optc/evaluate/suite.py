@@ -17,7 +17,8 @@ import torch
 
 from optc.errors import OptcError
 from optc.evaluate.gates import Gate, check_gates, require_measurable
-from optc.evaluate.latency import KernelChoice, apply_kernels, float_summary, measure_latency
+from optc.evaluate.latency import apply_kernels, float_summary, measure_latency
+from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.evaluate.perplexity import evaluate_windows, evaluation_token_cache, paired_difference
 from optc.evaluate.report import layer_statistics
 from optc.evaluate.size import size_metrics
@@ -29,18 +30,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EvalOptions:
-    dataset: str = "builtin"
-    seqlen: int = 512
-    windows: int | None = None
-    stride: int | None = None
-    batch_size: int = 1
+    protocol: EvalProtocol = field(default_factory=EvalProtocol)
     cache: bool = True  # tokenized-text cache on disk
-    latency: bool = False
-    kernel: KernelChoice = "auto"
-    prompt_tokens: int = 128
-    new_tokens: int = 32
-    repeats: int = 5
-    threads: int | None = None
+    latency: LatencyOptions | None = None  # None: not timed
     tasks: list[str] = field(default_factory=list)
     task_limit: int | None = None
     gates: list[Gate] = field(default_factory=list)
@@ -80,26 +72,28 @@ def run_evaluation(
     timings = report.setdefault("timings", {})
     metrics = report["metrics"]
     available = {"eval", "size"} | ({"baseline", "kl"} if baseline is not None else set())
-    available |= {"latency"} if opts.latency else set()
+    available |= {"latency"} if opts.latency is not None else set()
     require_measurable(opts.gates, available)
     if opts.tasks:
         from optc.evaluate.tasks import check_lm_eval
 
         check_lm_eval(opts.tasks)
-    if opts.latency and (opts.prompt_tokens < 1 or opts.new_tokens < 1 or opts.repeats < 1):
+    lat = opts.latency
+    if lat is not None and (lat.prompt_tokens < 1 or lat.new_tokens < 1 or lat.repeats < 1):
         raise OptcError("--prompt-tokens, --new-tokens and --repeats must be at least 1")
 
     with timed(timings, "tokenize"):
-        tokens = evaluation_token_cache(loaded.tokenizer, opts.dataset, opts.cache)
+        tokens = evaluation_token_cache(loaded.tokenizer, opts.protocol.dataset, opts.cache)
     if baseline is not None:
         from optc.data import load_text
 
         check_same_tokenizer(loaded.tokenizer, baseline.tokenizer,
-                             load_text(opts.dataset, "evaluation")[:4000], (loaded.source, baseline.source))
+                             load_text(opts.protocol.dataset, "evaluation")[:4000], (loaded.source, baseline.source))
 
     with timed(timings, "perplexity"):
         res = evaluate_windows(
-            loaded.model, tokens, opts.seqlen, opts.windows, opts.stride, opts.batch_size, progress,
+            loaded.model, tokens, opts.protocol.seqlen, opts.protocol.windows, opts.protocol.stride,
+            opts.protocol.batch_size, progress,
             baseline=baseline.model if baseline is not None else None,
         )
     if baseline is None:
@@ -127,16 +121,16 @@ def run_evaluation(
         with timed(timings, "tasks"):
             metrics["tasks"] = run_tasks(loaded.model, loaded.tokenizer, opts.tasks, opts.task_limit)
 
-    if opts.latency:
+    if opts.latency is not None:
         with timed(timings, "latency"):
-            metrics["latency"] = _latency(loaded, baseline, tokens, opts, progress)
+            metrics["latency"] = _latency(loaded, baseline, tokens, opts.latency, progress)
 
     report["gates"] = [g.to_dict() for g in check_gates(opts.gates, report)]
     return report
 
 
 def _latency(loaded: LoadedModel, baseline: LoadedModel | None, tokens: torch.Tensor,
-             opts: EvalOptions, progress: Progress) -> dict:
+             opts: LatencyOptions, progress: Progress) -> dict:
     if tokens.numel() < opts.prompt_tokens:
         raise OptcError(f"latency prompt needs {opts.prompt_tokens} tokens; the evaluation text has {tokens.numel()}")
     summary = apply_kernels(loaded.model, loaded.qparams, opts.kernel)

@@ -30,6 +30,7 @@ from optc.export.convert import check_recipe_export, export_model
 from optc.memory import trim
 from optc.model.load import load_model
 from optc.progress import NullProgress, Progress
+from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.recipe import EvaluationConfig, Recipe
 from optc.methods.recover_training import check_recoverable, restore_base, write_adapter
 from optc.methods.stages import QUANT_STAGES, STAGES, Workspace
@@ -328,48 +329,34 @@ def parse_size(text: str) -> int:
 
 def evaluate_model(
     source: str | None,
+    protocol: EvalProtocol | None = None,
     *,
-    dataset: str,
-    seqlen: int,
-    windows: int | None,
-    stride: int | None = None,
-    batch_size: int = 1,
     baseline: str | None = None,
     output: Path | None = None,
     overwrite: bool = False,
     progress: Progress | None = None,
     gates: list[str] | None = None,
-    latency: bool = False,
-    kernel: str = "auto",
-    prompt_tokens: int = 128,
-    new_tokens: int = 32,
-    repeats: int = 5,
-    threads: int | None = None,
+    latency: LatencyOptions | None = None,
     tasks: list[str] | None = None,
     cache: bool = True,
     streaming: bool = False,
 ) -> dict:
-    """Perplexity, KL to a baseline, size and latency of a model, with a report (and gates).
+    """Perplexity (on ``protocol``'s windows), KL to a baseline, size and latency (when
+    ``latency`` is given) of a model, with a report (and gates).
 
     ``streaming`` evaluates layer-major, one decoder layer in memory at a time (perplexity and
     size only), for models larger than memory.
     """
     from optc.evaluate.gates import parse_gates
-    from optc.evaluate.latency import KERNEL_CHOICES
     from optc.evaluate.suite import EvalOptions, run_evaluation, timed
 
     progress = progress or NullProgress()
+    protocol = protocol or EvalProtocol()
     opts = EvalOptions(  # gates parse first: a typo fails before any model loads
-        gates=parse_gates(gates), dataset=dataset, seqlen=seqlen, windows=windows, stride=stride,
-        batch_size=batch_size, cache=cache, latency=latency, kernel=kernel,
-        prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats, threads=threads,
-        tasks=list(tasks or []),
+        protocol=protocol, gates=parse_gates(gates), cache=cache, latency=latency, tasks=list(tasks or []),
     )
-    if kernel not in KERNEL_CHOICES:
-        raise OptcError(f"unknown kernel {kernel!r} (expected one of {', '.join(KERNEL_CHOICES)})")
     if output is not None:
         check_output(output, overwrite)
-    EvaluationConfig(dataset=dataset, seqlen=seqlen, windows=windows, stride=stride, batch_size=batch_size)
     report = new_report(source or "smollm2-135m", command="eval")
     if streaming:
         from optc.run.streaming import evaluate_streaming

@@ -360,7 +360,7 @@ def evaluate_streaming(source_name: str | None, baseline: str | None, opts: Eval
 
     progress = progress or NullProgress()
     limit_fragmentation()
-    if opts.latency or opts.tasks:
+    if opts.latency is not None or opts.tasks:
         raise OptcError("--streaming measures perplexity and size; --latency and --tasks need the model in memory")
     require_measurable(opts.gates, {"eval", "size"} | ({"baseline"} if baseline is not None else set()))
     models = {"model": source_name} | ({"baseline": baseline} if baseline is not None else {})
@@ -372,15 +372,16 @@ def evaluate_streaming(source_name: str | None, baseline: str | None, opts: Eval
     timings, metrics = report.setdefault("timings", {}), report["metrics"]
     tokenizer = loaded["model"][3]
     with timed(timings, "tokenize"):
-        tokens = evaluation_token_cache(tokenizer, opts.dataset, opts.cache)
+        tokens = evaluation_token_cache(tokenizer, opts.protocol.dataset, opts.cache)
     if baseline is not None:
-        check_same_tokenizer(tokenizer, loaded["baseline"][3], load_text(opts.dataset, "evaluation")[:4000],
+        check_same_tokenizer(tokenizer, loaded["baseline"][3], load_text(opts.protocol.dataset, "evaluation")[:4000],
                              (source_name or DEFAULT_MODEL, baseline))
     results, stats = {}, {}
     with timed(timings, "perplexity"):
         for role, (_, src, model, _) in loaded.items():
-            results[role] = streamed_perplexity(model, src, tokens, opts.seqlen, opts.windows, opts.stride,
-                                                opts.batch_size, progress, stats=stats if role == "model" else None)
+            p = opts.protocol
+            results[role] = streamed_perplexity(model, src, tokens, p.seqlen, p.windows, p.stride,
+                                                p.batch_size, progress, stats=stats if role == "model" else None)
     if baseline is None:
         metrics["perplexity_model"] = results["model"].to_dict()
     else:
