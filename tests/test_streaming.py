@@ -22,7 +22,8 @@ from typer.testing import CliRunner
 
 from optc.run import state as layerstore
 from optc.run.state import state_dir_for
-from optc.model.lazy import CheckpointSource, meta_model
+from optc.model.lazy import meta_model
+from optc.run.streaming import checkpoint_reader
 from optc.cli.main import app
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.perplexity import perplexity
@@ -132,7 +133,7 @@ def test_layer_major_perplexity_equals_the_whole_model(arch, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     tokens = tiny_tokens(1, 400).flatten()
     ref = perplexity(model, tokens, 64, windows=5, stride=48, batch_size=2)
-    got = streamed_perplexity(meta_model(tmp_path, torch.float32), CheckpointSource(tmp_path), tokens, 64,
+    got = streamed_perplexity(meta_model(tmp_path, torch.float32), checkpoint_reader(tmp_path), tokens, 64,
                               windows=5, stride=48, batch_size=2)
     assert got.window_nll == ref.window_nll  # same batches, same operations: bit-identical
 
@@ -224,7 +225,7 @@ def test_streaming_memory_stays_far_below_the_model(tmp_path, default_tokenizer)
     grown = peak - before
     assert model_bytes > 500 << 20
     assert grown < 0.5 * model_bytes, f"peak RSS grew {grown >> 20} MiB for a {model_bytes >> 20} MiB model"
-    assert CheckpointSource(tmp_path / "out").qc["format"] == "pack-quantized"
+    assert checkpoint_reader(tmp_path / "out").qc["format"] == "pack-quantized"
 
 
 # --- resume -------------------------------------------------------------------------------------------

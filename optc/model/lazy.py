@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable
+from typing import Protocol
 from pathlib import Path
 
 import torch
@@ -42,10 +43,19 @@ def local_model_dir(source: str | None) -> Path:
     )
 
 
+class Unpacker(Protocol):
+    """How a quantized checkpoint format stores one Linear's weight, for reading it alone: the
+    stored tensors that make up ``module``'s weight (the first one marks it present), and the
+    float weight rebuilt from them (``qc``: the checkpoint's ``quantization_config``)."""
+
+    def leaves(self, module: str) -> list[str]: ...
+    def weight(self, module: str, raw: dict[str, torch.Tensor], qc: dict) -> torch.Tensor: ...
+
+
 class CheckpointSource:
     """Tensors of a checkpoint directory by state-dict name, read only when asked for."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, unpack: Unpacker | None = None) -> None:
         self.directory = Path(directory)
         self.files = checkpoint_files(self.directory)
         if not self.files:
@@ -55,11 +65,11 @@ class CheckpointSource:
         except (OSError, json.JSONDecodeError) as exc:
             raise OptcError(f"{self.directory}/config.json cannot be read ({exc})") from None
         self.qc = config.get("quantization_config") or None
-        if self.qc is not None and (self.qc.get("quant_method") != "compressed-tensors"
-                                    or self.qc.get("format") != "pack-quantized"):
+        self.unpack = unpack
+        if self.qc is not None and unpack is None:
             raise OptcError(
-                f"{self.directory}: streaming reads float or pack-quantized checkpoints, not "
-                f"{self.qc.get('quant_method')} {self.qc.get('format') or ''}".rstrip()
+                f"{self.directory}: streaming cannot read {self.qc.get('quant_method')} "
+                f"{self.qc.get('format') or ''} weights one tensor at a time".rstrip()
             )
         self._headers: dict[Path, dict] = {}
 
@@ -72,7 +82,10 @@ class CheckpointSource:
         return self._headers[path]
 
     def __contains__(self, key: str) -> bool:
-        return key in self.files or f"{key.removesuffix('.weight')}.weight_packed" in self.files
+        if key in self.files:
+            return True
+        leaves = self.unpack.leaves(key.removesuffix(".weight")) if self.unpack is not None else []
+        return bool(leaves) and leaves[0] in self.files
 
     def slice(self, key: str) -> FileSlice:
         """Where a stored tensor's bytes are (for copying it without loading)."""
@@ -105,22 +118,19 @@ class CheckpointSource:
         return out
 
     def tensors(self, keys: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Float tensors by state-dict name; a pack-quantized Linear's ``weight`` is dequantized."""
-        from optc.export.compressed_tensors import dequantize_packed
-
+        """Float tensors by state-dict name; a quantized Linear's ``weight`` is dequantized by the
+        checkpoint format's :class:`Unpacker`."""
         keys = list(keys)
         missing = [k for k in keys if k not in self]
         if missing:
             raise OptcError(f"{self.directory} lacks tensor {missing[0]} ({len(missing)} missing)")
         plain = [k for k in keys if k in self.files]
         packed = [k.removesuffix(".weight") for k in keys if k not in self.files]
-        parts = [f"{m}.{leaf}" for m in packed for leaf in
-                 ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
-                 if f"{m}.{leaf}" in self.files]
+        parts = [k for m in packed for k in self.unpack.leaves(m) if k in self.files] if packed else []
         raw = self._raw(plain + parts)
         out = {k: raw.pop(k) for k in plain}
         for m in packed:
-            out[f"{m}.weight"], _ = dequantize_packed(m, raw, self.qc)
+            out[f"{m}.weight"] = self.unpack.weight(m, raw, self.qc)
         return out
 
 

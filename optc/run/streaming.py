@@ -14,6 +14,7 @@ Supported: one ``rtn``, ``gptq`` or ``awq`` stage, exported as compressed-tensor
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import time
@@ -67,7 +68,7 @@ def streaming_problem(recipe: Recipe) -> str | None:
 
 
 def _weights_bytes(model_dir: Path, dtype: torch.dtype) -> int:
-    source = CheckpointSource(model_dir)
+    source = checkpoint_reader(model_dir)
     size = torch.empty((), dtype=dtype).element_size()
     return sum(size * _numel(source.spec(k)[1]) for k in source.files)
 
@@ -181,6 +182,29 @@ def baseline_perplexity(store: LayerStore | None, cfg: EvaluationConfig, compute
     return value
 
 
+class _PackQuantized:
+    """Reads a compressed-tensors pack-quantized Linear alone (see :class:`optc.model.lazy.Unpacker`)."""
+
+    def leaves(self, module: str) -> list[str]:
+        return [f"{module}.{leaf}" for leaf in
+                ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")]
+
+    def weight(self, module: str, raw: dict[str, torch.Tensor], qc: dict) -> torch.Tensor:
+        from optc.export.compressed_tensors import dequantize_packed
+
+        return dequantize_packed(module, raw, qc)[0]
+
+
+def checkpoint_reader(model_dir: Path) -> CheckpointSource:
+    """The checkpoint's tensors read on demand, quantized Linears dequantized by their format."""
+    try:
+        qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config")
+    except (OSError, json.JSONDecodeError):
+        qc = None  # CheckpointSource says what is wrong with the directory
+    packed = qc and qc.get("quant_method") == "compressed-tensors" and qc.get("format") == "pack-quantized"
+    return CheckpointSource(model_dir, _PackQuantized() if packed else None)
+
+
 def _tokenizer(model_dir: Path, trust_remote_code: bool):
     from transformers import AutoTokenizer
 
@@ -277,7 +301,7 @@ def run_streaming(
     model_dir = local_model_dir(recipe.model)
     if output is not None:
         check_output(output, overwrite, protect=model_dir)
-    source = CheckpointSource(model_dir)
+    source = checkpoint_reader(model_dir)
     if source.qc is not None:
         raise OptcError(f"streaming compresses a float checkpoint; {model_dir} is already quantized")
     model = meta_model(model_dir, DTYPES[recipe.dtype], trust_remote_code)
@@ -310,7 +334,7 @@ def run_streaming(
             (tmp / "recipe.yaml").write_text(recipe.to_yaml())
             if recipe.evaluation is not None:
                 report["metrics"]["perplexity_compressed"] = _streamed_eval(
-                    model, CheckpointSource(tmp), tokens, recipe.evaluation, progress)
+                    model, checkpoint_reader(tmp), tokens, recipe.evaluation, progress)
             _add_eval_details(report, model, layers=rows)
             if output is not None:
                 report["checkpoint"] = {"path": str(output), "format": "compressed-tensors/pack-quantized",
@@ -367,7 +391,7 @@ def evaluate_streaming(source_name: str | None, baseline: str | None, opts: Eval
     loaded = {}
     for role, name in models.items():
         model_dir = local_model_dir(name)
-        loaded[role] = (model_dir, CheckpointSource(model_dir), meta_model(model_dir, torch.float32),
+        loaded[role] = (model_dir, checkpoint_reader(model_dir), meta_model(model_dir, torch.float32),
                         _tokenizer(model_dir, False))
     timings, metrics = report.setdefault("timings", {}), report["metrics"]
     tokenizer = loaded["model"][3]
