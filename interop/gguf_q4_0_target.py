@@ -27,7 +27,8 @@ from optc.data import CalibrationConfig, evaluation_tokens
 from optc.evaluate.perplexity import paired_difference, perplexity
 from optc.export.convert import export_model
 from optc.model.load import load_model
-from optc.methods.stages import GPTQStage, Workspace, run_gptq
+from optc.methods import Workspace
+from optc.methods.gptq import GPTQStage, run_gptq
 
 DATA = Path(os.environ.get("OPTC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 

@@ -24,7 +24,9 @@ from optc.evaluate.perplexity import perplexity, windows_of
 from optc.export.convert import export_model
 from optc.model.load import load_model
 from optc.run.pipeline import export_checkpoint
-from optc.methods.stages import RTNStage, W8A8Stage, Workspace, run_rtn, run_w8a8
+from optc.methods import Workspace
+from optc.methods.rtn import RTNStage, run_rtn
+from optc.methods.w8a8 import W8A8Stage, run_w8a8
 
 DATA = Path(os.environ.get("OPTC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 # "dense" holds the same dequantized weights in float: the runtime's own baseline for them.

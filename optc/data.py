@@ -19,12 +19,14 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from optc.errors import OptcError
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +127,8 @@ def _tokenizer_key(tokenizer) -> str:
 
 def tokenize(text: str, tokenizer) -> torch.Tensor:
     """Token ids of the whole text as one 1-D tensor (no special tokens)."""
+    import torch  # here, not at the top: the recipe schema (CalibrationConfig) stays torch-free
+
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
 
@@ -169,6 +173,8 @@ def calibration_samples(
     available = chunks.shape[0]
     if sampling == "first":
         return chunks[:samples].clone()
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     order = torch.randperm(available, generator=g)[:samples]
     return chunks[order.sort().values].clone()
@@ -220,6 +226,8 @@ class CalibrationConfig(BaseModel):
     )
 
     def autocast_dtype(self) -> torch.dtype | None:
+        import torch
+
         return torch.bfloat16 if self.autocast == "bfloat16" else None
 
     def resolved_batch_size(self, device: str = "cpu") -> int:
@@ -227,6 +235,8 @@ class CalibrationConfig(BaseModel):
         # is 3 MB) in cache: a SmolLM2 layer over 128 x 512 tokens runs in 2.4 s in batches
         # of 1 against 3.6 s in batches of 16, and uses less memory. Accelerators want
         # about 8k tokens per forward to fill the device.
+        import torch
+
         tokens = 512 if torch.device(device).type == "cpu" else 8192
         return self.batch_size or max(1, min(self.samples, tokens // self.seqlen))
 

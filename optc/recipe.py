@@ -4,22 +4,43 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
 
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
-from optc.methods.stages import STAGES
+from optc.methods import METHODS
 
 RECIPE_VERSION = 1
 EXPORT_FORMATS = ("dense", "compressed-tensors", "gptq", "awq", "gguf-q4_0", "gguf-q8_0", "gguf-f16")
 
-StageConfig = Annotated[
-    Union[tuple(cfg for cfg, _ in STAGES.values())],  # noqa: UP007 - built from the registry
-    Field(discriminator="type"),
-]
+
+def _validate_stage(item: Any) -> BaseModel:
+    """One stage through its method's config, looked up when the recipe is validated (not when
+    this module was imported), so a method registered later by a plugin or a test is known."""
+    kind = getattr(item, "type", None)
+    if isinstance(kind, str) and kind in METHODS and isinstance(item, METHODS[kind].config):
+        return item  # already a validated config (a Recipe built in code)
+    if not isinstance(item, dict):
+        raise PydanticCustomError("stage_type", "a stage is a mapping with a 'type' (one of: {known})",
+                                  {"known": ", ".join(METHODS)})
+    kind = item.get("type")
+    if kind is None:
+        raise PydanticCustomError("stage_type_missing", "stage needs a 'type' (one of: {known})",
+                                  {"known": ", ".join(METHODS)})
+    method = METHODS.get(kind) if isinstance(kind, str) else None
+    if method is None:
+        raise PydanticCustomError("stage_type_unknown", "unknown stage type {kind} (known: {known})",
+                                  {"kind": repr(kind), "known": ", ".join(METHODS)})
+    # Its errors come back located under this stage (stages.0.scheme.bits).
+    return method.config.model_validate(item)
+
+
+# A stage's config, of whichever registered method its ``type`` names; dumped as that config.
+StageConfig = Annotated[Any, BeforeValidator(_validate_stage)]
 
 
 class EvaluationConfig(BaseModel):
@@ -100,9 +121,7 @@ def resolve_recipe(name_or_path: str) -> Path:
 
 
 def _loc(loc: tuple) -> str:
-    # Drop pydantic's discriminator tags (the stage type) from locations like stages.0.rtn.x.
-    parts = [str(p) for p in loc if not (isinstance(p, str) and p in STAGES)]
-    return ".".join(parts) or "(top level)"
+    return ".".join(str(p) for p in loc) or "(top level)"
 
 
 def format_validation_error(exc: ValidationError, source: str) -> str:
@@ -112,10 +131,8 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             msg = "unknown field (not part of the recipe schema)"
-        elif err["type"] == "union_tag_invalid":
-            msg = f"unknown stage type {err['input'].get('type')!r} (known: {', '.join(STAGES)})"
-        elif err["type"] == "union_tag_not_found":
-            msg = f"stage needs a 'type' (one of: {', '.join(STAGES)})"
+        elif err["type"] in ("stage_type", "stage_type_missing", "stage_type_unknown"):
+            pass  # the message says it all (the input is the whole stage)
         elif "input" in err and not isinstance(err["input"], dict | list):
             msg = f"{msg} (got {err['input']!r})"
         problems.append(f"{where}: {msg}")

@@ -16,7 +16,8 @@ from optc.cli.main import app
 from optc.errors import OptcError
 from optc.model.load import load_model
 from optc.recipe import load_recipe
-from optc.methods.stages import Workspace, run_rtn
+from optc.methods import Workspace
+from optc.methods.rtn import run_rtn
 
 runner = CliRunner()
 CHECKPOINT_FILES = {

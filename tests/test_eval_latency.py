@@ -20,7 +20,8 @@ from optc.evaluate.latency import (
     measure_latency,
     percentile,
 )
-from optc.methods.stages import RTNStage, Workspace, run_rtn
+from optc.methods import Workspace
+from optc.methods.rtn import RTNStage, run_rtn
 from optc.testing import tiny_model, tiny_tokens
 
 

@@ -20,7 +20,8 @@ from optc.errors import OptcError
 from optc.export.convert import export_model
 from optc.export.gptq_format import pack_qzeros, v1_representable, write_gptq
 from optc.model.load import load_model
-from optc.methods.stages import GPTQStage, Workspace, run_gptq
+from optc.methods import Workspace
+from optc.methods.gptq import GPTQStage, run_gptq
 from test_formats_support import (  # noqa: F401 - fixtures
     fp16_tolerance,
     logits,

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from optc.compress.quant import QuantParams
-from optc.methods.stages import RTNStage, Workspace, run_rtn
+from optc.methods import Workspace
+from optc.methods.rtn import RTNStage, run_rtn
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

@@ -24,7 +24,7 @@ import optc.run.pipeline
 from optc.cli.main import app
 from optc.errors import OptcError
 from optc.recipe import EXPORT_FORMATS, Recipe, apply_overrides, load_recipe, parse_recipe
-from optc.methods.stages import STAGES
+from optc.methods import METHODS
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -44,12 +44,12 @@ def _fields(model: type) -> list[str]:
     return list(model.model_fields)
 
 
-STAGE_FIELDS = sorted({f for cfg, _ in STAGES.values() for f in _fields(cfg)} | {"scheme.bits", "bogus"})
+STAGE_FIELDS = sorted({f for m in METHODS.values() for f in _fields(m.config)} | {"scheme.bits", "bogus"})
 
 
 @st.composite
 def stage_dicts(draw) -> dict:
-    stage: dict = {"type": draw(st.sampled_from([*STAGES, "nope", 3, None]))}
+    stage: dict = {"type": draw(st.sampled_from([*METHODS, "nope", 3, None]))}
     for name in draw(st.lists(st.sampled_from(STAGE_FIELDS), max_size=4)):
         if name == "scheme.bits":
             stage["scheme"] = {"bits": draw(values), "group_size": draw(values)}

@@ -28,7 +28,9 @@ from optc.errors import OptcError
 from optc.export.compressed_tensors import read_compressed_tensors, write_int_quantized
 from optc.model.load import load_model
 from optc.recipe import builtin_recipes, load_recipe, parse_recipe
-from optc.methods.stages import SmoothQuantStage, W8A8Stage, Workspace, run_smoothquant, run_w8a8
+from optc.methods import Workspace
+from optc.methods.smoothquant import SmoothQuantStage, run_smoothquant
+from optc.methods.w8a8 import W8A8Stage, run_w8a8
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens
 
 runner = CliRunner()

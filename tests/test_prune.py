@@ -16,7 +16,7 @@ from optc.compress.sparsegpt import masked_least_squares, sparsegpt_prune
 from optc.compress.wanda import wanda_mask, wanda_scores
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
-from optc.methods.stages import STAGES, Workspace
+from optc.methods import METHODS, Workspace
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens
 
 
@@ -235,7 +235,7 @@ def _workspace(arch: str, n: int = 8) -> Workspace:
 
 
 def _stage(ws: Workspace, **cfg) -> dict:
-    config_cls, fn = STAGES[cfg["type"]]
+    config_cls, fn = METHODS[cfg["type"]].config, METHODS[cfg["type"]].run
     return fn(ws, config_cls.model_validate(cfg))
 
 
@@ -258,7 +258,7 @@ def test_nm_stage_on_every_architecture(arch: str, method: str) -> None:
 def test_sequential_mode_collects_groups_in_execution_order() -> None:
     ws = _workspace("llama")
     seen: list[list[str]] = []
-    import optc.methods.stages as st
+    import optc.compress.sparsegpt as st
 
     original = st.sparsegpt_prune
 
@@ -319,7 +319,7 @@ def test_owl_and_overrides_set_per_layer_sparsity() -> None:
 
 
 def test_nm_pattern_excludes_layer_allocation() -> None:
-    config_cls, _ = STAGES["wanda"]
+    config_cls = METHODS["wanda"].config
     with pytest.raises(ValueError, match="drop allocation"):
         config_cls.model_validate({"type": "wanda", "pattern": "2:4", "allocation": "owl"})
 

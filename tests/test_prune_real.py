@@ -16,7 +16,7 @@ from optc.compress.masks import nm_violations
 from optc.data import CalibrationConfig, evaluation_tokens
 from optc.evaluate.perplexity import perplexity
 from optc.export.checkpoint import directory_bytes
-from optc.methods.stages import STAGES, Workspace
+from optc.methods import METHODS, Workspace
 
 pytestmark = pytest.mark.real_model
 
@@ -25,7 +25,7 @@ CALIB, TEST = DATA / "wikitext-2-valid.txt", DATA / "wikitext-2-raw-test.txt"
 
 
 def _stage(ws: Workspace, **cfg) -> dict:
-    config_cls, fn = STAGES[cfg["type"]]
+    config_cls, fn = METHODS[cfg["type"]].config, METHODS[cfg["type"]].run
     return fn(ws, config_cls.model_validate(cfg))
 
 

@@ -18,7 +18,7 @@ from optc.compress.structured import (
 )
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
-from optc.methods.stages import STAGES, Workspace
+from optc.methods import METHODS, Workspace
 from optc.testing import tiny_model, tiny_tokens
 
 
@@ -29,7 +29,7 @@ def _workspace(arch: str) -> Workspace:
 
 
 def _structured(ws: Workspace, **cfg) -> dict:
-    config_cls, fn = STAGES["structured"]
+    config_cls, fn = METHODS["structured"].config, METHODS["structured"].run
     return fn(ws, config_cls.model_validate({"type": "structured", "latency_tokens": 0, **cfg}))
 
 
@@ -130,7 +130,7 @@ def test_impossible_structures_are_refused_before_any_change(arch: str, cfg: dic
 
 
 def test_config_refuses_nothing_to_remove_and_out_of_range() -> None:
-    config_cls, _ = STAGES["structured"]
+    config_cls = METHODS["structured"].config
     for bad in ({}, {"heads": 1.0}, {"mlp": -0.1}):
         with pytest.raises(ValueError):
             config_cls.model_validate({"type": "structured", **bad})
@@ -138,7 +138,7 @@ def test_config_refuses_nothing_to_remove_and_out_of_range() -> None:
 
 def test_structured_after_pruning_slices_masks_and_before_quantization_only() -> None:
     ws = _workspace("llama")
-    config_cls, fn = STAGES["wanda"]
+    config_cls, fn = METHODS["wanda"].config, METHODS["wanda"].run
     fn(ws, config_cls.model_validate({"type": "wanda", "sparsity": 0.5}))
     stats = _structured(ws, mlp=0.25, heads=0.34)
     up = ws.model.get_submodule("model.layers.0.mlp.up_proj")
@@ -147,7 +147,7 @@ def test_structured_after_pruning_slices_masks_and_before_quantization_only() ->
     assert ws.masks["model.layers.0.mlp.down_proj"].shape == down.weight.shape == (96, 150)
     assert not down.weight[~ws.masks["model.layers.0.mlp.down_proj"]].any()  # refit did not regrow
     assert stats["parameters_removed_fraction"] > 0.1
-    config_cls, fn = STAGES["rtn"]
+    config_cls, fn = METHODS["rtn"].config, METHODS["rtn"].run
     fn(ws, config_cls.model_validate({"type": "rtn"}))
     with pytest.raises(OptcError, match="before quantization"):
         _structured(ws, mlp=0.25)

@@ -13,14 +13,14 @@ from optc.errors import OptcError
 from optc.export.checkpoint import write_dense
 from optc.export.compressed_tensors import write_pack_quantized
 from optc.model.load import _load_pack_quantized
-from optc.methods.stages import STAGES, Workspace
+from optc.methods import METHODS, Workspace
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens
 
 
 def _quantize(model, method: str, ids: torch.Tensor, **extra) -> Workspace:
     ws = Workspace(model, None)
     ws._ids = ids
-    cfg_cls, fn = STAGES[method]
+    cfg_cls, fn = METHODS[method].config, METHODS[method].run
     cfg = cfg_cls.model_validate(
         {"type": method, "scheme": {"bits": 3, "group_size": 32}, **extra}
     )
@@ -98,14 +98,14 @@ def test_non_dividing_group_size():
     model = tiny_model("llama")
     ws = Workspace(model, None)
     ws._ids = ids
-    cfg_cls, fn = STAGES["gptq"]
+    cfg_cls, fn = METHODS["gptq"].config, METHODS["gptq"].run
     fn(ws, cfg_cls.model_validate({"type": "gptq", "scheme": {"bits": 4, "group_size": 64}}))
     p = ws.qparams["model.layers.0.mlp.down_proj"]
     assert p.scale.shape == (96, 4)  # ceil(200 / 64)
 
 
 def test_non_positive_definite_hessian_names_layer(monkeypatch):
-    import optc.methods.stages as stages
+    import optc.calibrate.hessian as stages  # run_gptq imports it when called
 
     ids = tiny_tokens(4, 32)
     model = tiny_model("llama")
@@ -132,7 +132,7 @@ def test_gptq_on_cuda_matches_cpu():
         model = tiny_model("llama")
         ws = Workspace(model, None, device=device)
         ws._ids = ids
-        cfg_cls, fn = STAGES["gptq"]
+        cfg_cls, fn = METHODS["gptq"].config, METHODS["gptq"].run
         fn(ws, cfg_cls.model_validate({"type": "gptq", "scheme": {"bits": 4, "group_size": 32}}))
         assert next(model.parameters()).device.type == "cpu"  # only the layer visits the GPU
         results[device] = model.model.layers[1].mlp.down_proj.weight.detach().clone()
@@ -150,7 +150,7 @@ def test_bfloat16_autocast_calibration_close_to_float():
         ws = Workspace(model, None)
         ws.calibration = ws.calibration.model_copy(update={"autocast": autocast})
         ws._ids = ids
-        cfg_cls, fn = STAGES["gptq"]
+        cfg_cls, fn = METHODS["gptq"].config, METHODS["gptq"].run
         fn(ws, cfg_cls.model_validate({"type": "gptq", "scheme": {"bits": 3, "group_size": 32}}))
         errors[autocast] = _logit_error(model, ref, ids)
     rtn = copy.deepcopy(base)

@@ -14,7 +14,8 @@ from optc.data import evaluation_tokens
 from optc.evaluate.perplexity import perplexity
 from optc.export.checkpoint import write_dense
 from optc.model.load import LoadedModel
-from optc.methods.stages import RTNStage, Workspace, run_rtn
+from optc.methods import Workspace
+from optc.methods.rtn import RTNStage, run_rtn
 
 pytestmark = pytest.mark.real_model
 

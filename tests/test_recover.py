@@ -16,7 +16,10 @@ from optc.compress.lora import kd_loss, kd_loss_topk, lora_delta, topk_logits
 from optc.compress.masks import nm_violations
 from optc.compress.quant import fake_quantize, quantize
 from optc.recipe import parse_recipe
-from optc.methods.stages import RTNStage, MagnitudeStage, RecoverStage, Workspace, run_magnitude, run_recover, run_rtn
+from optc.methods import Workspace
+from optc.methods.magnitude import MagnitudeStage, run_magnitude
+from optc.methods.recover import RecoverStage, run_recover
+from optc.methods.rtn import RTNStage, run_rtn
 from optc.testing import tiny_model, tiny_tokens
 from optc.methods.recover_training import attach_adapters, merge_adapters, train_adapters
 

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 import optc
 import optc.export.checkpoint as checkpoint
+import optc.methods.common
 import optc.run.pipeline
 from optc.cli.main import app
 from optc.errors import OptcError
@@ -103,7 +104,7 @@ def test_free_space_is_checked_before_calibration(tiny_checkpoint: Path, tmp_pat
     def no_calibration(*_a, **_k):
         raise AssertionError("calibration started although the checkpoint cannot be written")
 
-    monkeypatch.setattr(optc.methods.stages, "run_sequential", no_calibration)
+    monkeypatch.setattr(optc.methods.common, "run_sequential", no_calibration)
     out = tmp_path / "out"
     line = _error_line(_quantize(tiny_checkpoint, out, method="gptq"))
     assert re.fullmatch(r"error: not enough disk space for .*out: the checkpoint needs about [\d,]+ MiB, "

@@ -19,14 +19,12 @@ convention compressed-tensors and vLLM use for ``input_scale``.
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
 
 from optc.calibrate.stats import InputSampler
 
-ObserverName = Literal["minmax", "moving_minmax", "percentile", "mse", "kl"]
-OBSERVERS: tuple[str, ...] = ("minmax", "moving_minmax", "percentile", "mse", "kl")
+from optc.compress.schemes import OBSERVERS, ObserverName  # noqa: F401 - torch-free for the recipe schema
 DEFAULT_BINS = 2048
 
 

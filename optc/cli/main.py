@@ -21,6 +21,7 @@ from rich.table import Table
 import optc
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.protocol import KERNEL_CHOICES, EvalProtocol, LatencyOptions
+from optc.methods import METHODS, methods_of_kind
 
 app = typer.Typer(
     name="optc",
@@ -265,22 +266,64 @@ def run(
     _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume)
 
 
+# Flags of quantize / prune address a stage by what it is, not by its position: the first stage
+# of the flag's kind whose config takes the field the flag sets.
+_PRUNE_FIELDS = ("pattern", "sparsity")  # --method/--pattern/--sparsity of optc prune
+_STRUCTURED_FIELDS = ("heads", "kv_heads", "mlp")  # --structured of optc prune
+
+
+def _takes(method: str, fields: tuple[str, ...]) -> bool:
+    return set(fields) <= set(METHODS[method].config.model_fields)
+
+
+def _prune_methods() -> list[str]:
+    """Pruning methods --method chooses among: those taking --pattern / --sparsity."""
+    return [m for m in methods_of_kind("prune") if _takes(m, _PRUNE_FIELDS)]
+
+
+def _first_stage(recipe: str, kind: str, flags: dict[str, Any], fields: tuple[str, ...] = ()) -> int | None:
+    """Index of the recipe's first ``kind`` stage whose config takes ``fields``: where the given
+    ``flags`` go (None when none of them is given). A recipe without one is refused."""
+    given = [flag for flag, value in flags.items() if value is not None]
+    if not given:
+        return None
+    from optc.recipe import read_recipe_data, resolve_recipe
+
+    data = read_recipe_data(resolve_recipe(recipe))
+    if not isinstance(data, dict):
+        return None  # refused as a whole when the run parses it
+    stages = data.get("stages") or []
+    types = [st.get("type") if isinstance(st, dict) else None for st in stages] if isinstance(stages, list) else []
+    for i, t in enumerate(types):
+        if isinstance(t, str) and t in METHODS and METHODS[t].kind == kind and _takes(t, fields):
+            return i
+    what = f"{kind} stage" + (f" taking {'/'.join(fields)}" if fields else "")
+    have = " -> ".join(str(t) for t in types) or "none"
+    raise OptcError(f"cannot set {', '.join(given)}: the recipe has no such entry (no {what} in {recipe}; its stages: {have})")
+
+
 @app.command()
 @handle_errors
 def quantize(
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="Built-in recipe name or YAML path.")] = "w4a16-rtn.yaml",
-    method: Annotated[Optional[str], typer.Option("--method", help="Override the quantization method (rtn, ...).")] = None,
-    bits: Annotated[Optional[int], typer.Option("--bits", help="Weight bits (2-8).")] = None,
-    group_size: Annotated[Optional[int], typer.Option("--group-size", help="Input columns per scale.")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", help=f"Method of the recipe's first quantize stage: {', '.join(methods_of_kind('quantize'))}.")] = None,
+    bits: Annotated[Optional[int], typer.Option("--bits", help="Weight bits (2-8) of the recipe's first quantize stage.")] = None,
+    group_size: Annotated[Optional[int], typer.Option("--group-size", help="Input columns per scale of the recipe's first quantize stage.")] = None,
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
 ) -> None:
-    """Quantize weights with a recipe (default: 4-bit round-to-nearest); flags override it."""
+    """Quantize weights with a recipe (default: 4-bit round-to-nearest); --method, --bits and
+    --group-size override its first quantize stage (e.g. gptq after a sparsegpt stage)."""
+    known = methods_of_kind("quantize")
+    if method is not None and method not in known:
+        raise OptcError(f"unknown quantization method {method!r} (expected {', '.join(known)})")
     overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming)
-    overrides.update({"stages.0.type": method, "stages.0.scheme.bits": bits, "stages.0.scheme.group_size": group_size})
+    i = _first_stage(recipe, "quantize", {"--method": method, "--bits": bits, "--group-size": group_size})
+    if i is not None:
+        overrides.update({f"stages.{i}.type": method, f"stages.{i}.scheme.bits": bits, f"stages.{i}.scheme.group_size": group_size})
     _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume)
 
 
@@ -288,34 +331,41 @@ def quantize(
 @handle_errors
 def prune(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Built-in recipe name or YAML path.")] = None,
-    method: Annotated[str, typer.Option("--method", help="Pruning score: magnitude, wanda or sparsegpt.")] = "magnitude",
-    pattern: Annotated[Optional[str], typer.Option("--pattern", help="N:M pattern, e.g. 2:4.")] = None,
-    sparsity: Annotated[Optional[float], typer.Option("--sparsity", help="Unstructured sparsity in [0, 1).")] = None,
-    structured: Annotated[Optional[str], typer.Option("--structured", help="Remove heads / MLP channels, e.g. heads=0.25,mlp=0.3 (also kv_heads=).")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", help=f"Pruning score: {', '.join(_prune_methods())} (default magnitude); with --recipe, the method of its first prune stage taking --pattern/--sparsity.")] = None,
+    pattern: Annotated[Optional[str], typer.Option("--pattern", help="N:M pattern, e.g. 2:4 (with --recipe: of its first prune stage taking --pattern/--sparsity).")] = None,
+    sparsity: Annotated[Optional[float], typer.Option("--sparsity", help="Unstructured sparsity in [0, 1) (with --recipe: of its first prune stage taking --pattern/--sparsity).")] = None,
+    structured: Annotated[Optional[str], typer.Option("--structured", help="Remove heads / MLP channels, e.g. heads=0.25,mlp=0.3 (also kv_heads=); with --recipe: its structured stage.")] = None,
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False,
 ) -> None:
-    """Prune weights: unstructured (--sparsity), N:M (--pattern 2:4) or structured (--structured)."""
-    if method not in ("magnitude", "wanda", "sparsegpt"):
-        raise OptcError(f"unknown pruning method {method!r} (expected magnitude, wanda or sparsegpt)")
+    """Prune weights: unstructured (--sparsity), N:M (--pattern 2:4) or structured (--structured);
+    with --recipe the flags override its first prune stage that takes them."""
+    known = _prune_methods()
+    if method is not None and method not in known:
+        raise OptcError(f"unknown pruning method {method!r} (expected {', '.join(known[:-1])} or {known[-1]})")
     overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
     parts = _parse_structured(structured) if structured is not None else None
     stages = None
     if recipe is None:
-        stages = [{"type": "structured", **parts}] if parts else []
+        remover = next(m for m in methods_of_kind("prune") if _takes(m, _STRUCTURED_FIELDS))
+        stages = [{"type": remover, **parts}] if parts else []
         if pattern is not None or sparsity is not None or not parts:
-            stage: dict[str, Any] = {"type": method}
+            stage: dict[str, Any] = {"type": method or "magnitude"}
             if pattern is not None:
                 stage["pattern"] = pattern
             if sparsity is not None:
                 stage["sparsity"] = sparsity
             stages.append(stage)
     else:
-        overrides.update({"stages.0.type": method if method != "magnitude" else None, "stages.0.pattern": pattern, "stages.0.sparsity": sparsity})
-        overrides.update({f"stages.0.{k}": v for k, v in (parts or {}).items()})
+        i = _first_stage(recipe, "prune", {"--method": method, "--pattern": pattern, "--sparsity": sparsity}, _PRUNE_FIELDS)
+        if i is not None:
+            overrides.update({f"stages.{i}.type": method, f"stages.{i}.pattern": pattern, f"stages.{i}.sparsity": sparsity})
+        i = _first_stage(recipe, "prune", {"--structured": structured}, _STRUCTURED_FIELDS)
+        if i is not None:
+            overrides.update({f"stages.{i}.{k}": v for k, v in (parts or {}).items()})
     _run(recipe or "prune-2of4-magnitude.yaml", overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, stages, gates=gate, quiet=quiet, resume=resume)
 
 
@@ -353,7 +403,8 @@ def recover(
 
     data = read_recipe_data(resolve_recipe(recipe))
     stages = data.get("stages") if isinstance(data, dict) else None
-    index = next((i for i, st in enumerate(stages or []) if isinstance(st, dict) and st.get("type") == "recover"), None)
+    index = next((i for i, st in enumerate(stages or []) if isinstance(st, dict) and isinstance(st.get("type"), str)
+                  and st["type"] in METHODS and METHODS[st["type"]].kind == "recover"), None)
     if index is None:
         raise OptcError(f"recipe {recipe}: has no recover stage (use optc run for other recipes)")
     if fmt is None and model is not None and checkpoint_is_quantized(model):

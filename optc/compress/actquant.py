@@ -18,57 +18,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import nn
 
 from optc.calibrate.observers import (
     OBSERVERS,
     ActivationStats,
-    ObserverName,
     clipped_fraction,
     threshold_for,
 )
+from optc.compress.schemes import ActivationScheme  # noqa: F401 - defined torch-free, re-exported
 
 _HOOK_ATTR = "_optc_input_quant"
-
-
-class ActivationScheme(BaseModel):
-    """How a Linear's input is quantized. Used directly as a recipe field."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    bits: Literal[8] = 8
-    strategy: Literal["tensor", "token"] = Field(
-        "tensor", description="one scale per tensor, or one per token (row)"
-    )
-    dynamic: bool = Field(False, description="scales computed at run time instead of calibrated")
-    observer: ObserverName = Field(
-        "minmax", description="static scales: minmax, moving_minmax, percentile, mse or kl"
-    )
-    percentile: float = Field(99.99, description="percentile observer: share of |x| kept, in (0, 100]")
-    averaging_constant: float = Field(0.01, gt=0, le=1, description="moving_minmax: EMA constant")
-
-    @field_validator("percentile")
-    @classmethod
-    def _percentile_range(cls, v: float) -> float:
-        if not 0 < v <= 100:
-            raise ValueError(f"percentile must be in (0, 100], got {v}")
-        return v
-
-    @model_validator(mode="after")
-    def _consistent(self) -> ActivationScheme:
-        if self.strategy == "token" and not self.dynamic:
-            raise ValueError("per-token activation scales exist only at run time: set dynamic: true")
-        return self
-
-    def label(self) -> str:
-        if self.dynamic:
-            return f"int{self.bits} dynamic per-{self.strategy}"
-        detail = f"{self.observer} {self.percentile:g}" if self.observer == "percentile" else self.observer
-        return f"int{self.bits} static per-{self.strategy} ({detail})"
 
 
 @dataclass

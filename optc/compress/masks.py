@@ -9,18 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from optc.compress.schemes import parse_pattern  # noqa: F401 - defined torch-free, re-exported
 from optc.errors import OptcError
-
-
-def parse_pattern(pattern: str) -> tuple[int, int]:
-    """``"2:4"`` -> ``(2, 4)``, refusing patterns that keep nothing or everything."""
-    try:
-        n, m = (int(x) for x in pattern.split(":"))
-    except ValueError:
-        raise ValueError(f"pattern {pattern!r} is not of the form N:M (e.g. 2:4)") from None
-    if not 0 < n < m:
-        raise ValueError(f"pattern {pattern!r} needs 0 < N < M")
-    return n, m
 
 
 def nm_mask(scores: torch.Tensor, n: int, m: int) -> torch.Tensor:

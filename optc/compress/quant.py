@@ -20,48 +20,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-
-class QuantScheme(BaseModel):
-    """What grid a weight is quantized onto. Used directly as a recipe field."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    bits: int = Field(4, description="bits per weight, 2..8")
-    symmetric: bool = True
-    group_size: int | None = Field(
-        64, description="input columns per scale; null means one scale per output channel"
-    )
-
-    @field_validator("bits")
-    @classmethod
-    def _bits_range(cls, v: int) -> int:
-        if not 2 <= v <= 8:
-            raise ValueError(f"bits must be between 2 and 8, got {v}")
-        return v
-
-    @field_validator("group_size")
-    @classmethod
-    def _group_positive(cls, v: int | None) -> int | None:
-        if v is not None and v != -1 and v <= 0:
-            raise ValueError(f"group_size must be positive (or null for per-channel), got {v}")
-        return None if v == -1 else v
-
-    @property
-    def qmin(self) -> int:
-        return -(2 ** (self.bits - 1))
-
-    @property
-    def qmax(self) -> int:
-        return 2 ** (self.bits - 1) - 1
-
-    def num_groups(self, in_features: int) -> int:
-        return 1 if self.group_size is None else math.ceil(in_features / self.group_size)
-
-    def label(self) -> str:
-        g = "channel" if self.group_size is None else f"g{self.group_size}"
-        return f"int{self.bits}-{'sym' if self.symmetric else 'asym'}-{g}"
+from optc.compress.schemes import QuantScheme  # noqa: F401 - defined torch-free, re-exported
 
 
 @dataclass

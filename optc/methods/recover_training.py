@@ -48,7 +48,7 @@ from optc.errors import OptcError
 from optc.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
-    from optc.methods.stages import RecoverStage
+    from optc.methods.recover import RecoverStage
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from optc.errors import OptcError
+from optc.model.patterns import check_patterns  # noqa: F401 - defined torch-free, re-exported
 
 LINEAR_TYPES = (nn.Linear, Conv1D)
 
@@ -57,14 +58,6 @@ def select_linears(
             f"include: {examples}"
         )
     return chosen
-
-
-def check_patterns(patterns: list[str], what: str) -> None:
-    for p in patterns:
-        try:
-            re.compile(p)
-        except re.error as exc:
-            raise ValueError(f"{what} pattern {p!r} is not a valid regex: {exc}") from exc
 
 
 def weight_2d(module: nn.Module) -> torch.Tensor:

@@ -11,7 +11,6 @@ import torch
 import yaml
 
 from optc.calibrate.distributed import is_main_process, process_group
-from optc.model.anatomy import select_linears
 from optc.compress.actquant import input_quant_of
 from optc.data import check_disjoint
 from optc.errors import OptcError
@@ -26,14 +25,15 @@ from optc.export.compressed_tensors import sparsity_config, write_sparsity_confi
 from optc.export.checkpoint import check_free_space, check_output, directory_bytes, estimate_checkpoint_bytes
 from optc.export.checkpoint import staged_output, write_dense
 from optc.export.convert import FORMATS as CONVERT_FORMATS
-from optc.export.convert import check_recipe_export, export_model
+from optc.export.convert import export_model, scheme_fits
 from optc.memory import trim
 from optc.model.load import load_model
 from optc.progress import NullProgress, Progress
 from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.recipe import EvaluationConfig, Recipe
 from optc.methods.recover_training import check_recoverable, restore_base, write_adapter
-from optc.methods.stages import QUANT_STAGES, STAGES, Workspace
+from optc.methods import METHODS, Workspace, declared_schemes
+from optc.methods import planned_schemes as _planned_schemes
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _run_recipe(
     t_start = time.perf_counter()
     if output is not None:
         check_output(output, overwrite)
-        check_recipe_export(recipe)  # an impossible export is refused before any calibration
+        _check_export(recipe)  # an impossible export is refused before any calibration
     if wants_streaming(recipe):
         return run_streaming(recipe, output, overwrite=overwrite, device=device, trust_remote_code=trust_remote_code,
                              progress=progress, gate_list=gate_list, resume=resume)
@@ -152,7 +152,7 @@ def _run_recipe(
         ws.state_dir = output.expanduser().parent / f".{output.name}.recover-state"
     with keeping_progress(ws.store):
         for i, stage in enumerate(recipe.stages):
-            _, fn = STAGES[stage.type]
+            fn = METHODS[stage.type].run
             if ws.store is not None:
                 ws.store.begin_stage(i, stage.type)
             t0 = time.perf_counter()
@@ -248,14 +248,29 @@ def source_model(path: Path | None) -> str | None:
 def planned_schemes(model: torch.nn.Module, recipe: Recipe) -> dict:
     """Linear name -> weight scheme the recipe's quantization stages will give it (the last
     stage touching a Linear wins), for estimating the checkpoint before any work."""
-    schemes: dict = {}
-    for stage in recipe.stages:
-        if stage.type in QUANT_STAGES:
-            for name in select_linears(model, stage.targets, stage.ignore):
-                scheme = stage.scheme_for(name)
-                if scheme is not None:
-                    schemes[name] = scheme
-    return schemes
+    return _planned_schemes(model, recipe.stages)
+
+
+def _check_export(recipe: Recipe) -> None:
+    """Refuse, before any calibration, a recipe whose schemes its export format cannot hold.
+
+    Stands in for optc.export.convert.check_recipe_export (which read the removed QUANT_STAGES)
+    until export takes plain data: the same checks and messages over ``declared_schemes``."""
+    fmt = recipe.export.format
+    if fmt not in CONVERT_FORMATS:
+        return
+    schemes = declared_schemes(recipe.stages)
+    for where, scheme, permuted in schemes:
+        reason = scheme_fits(scheme, fmt, permuted)
+        if reason is not None:
+            raise OptcError(f"export format {fmt}: {where}: {reason}")
+    if fmt in ("gptq", "awq"):
+        kinds = {(s.bits, s.symmetric) for _, s, _ in schemes}
+        if len(kinds) > 1:
+            raise OptcError(
+                f"export format {fmt} holds one scheme per checkpoint; the recipe mixes "
+                f"{', '.join(sorted({s.label() for _, s, _ in schemes}))} (use compressed-tensors)"
+            )
 
 
 def _recipe_gates(recipe: Recipe, extra: list[str] | None, output: Path | None) -> list:

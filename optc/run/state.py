@@ -54,14 +54,12 @@ from optc.model.lazy import (
 )
 from optc.compress.quant import QuantParams, QuantScheme
 from optc.errors import OptcError
+from optc.methods import METHODS
 from optc.model.safetensors_io import file_slices, write_file
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
-# Stages whose layers are saved as they finish (the long, calibrated ones). The other stages
-# are cheap or keep state outside the weights (observers, masks), and run again on resume.
-RESUMABLE_STAGES = ("gptq", "awq")
 PROGRESS = "progress.json"
 DEFAULT_INTERVAL_S = 60.0
 
@@ -191,7 +189,10 @@ class LayerStore:
             self.layers = list(saved["layers"])
             self.restore_count = len(self.layers)
             return
-        self.active = self.streaming or stage_type in RESUMABLE_STAGES
+        # Methods with saves_layers (the long, calibrated ones) save their layers as they finish;
+        # the others are cheap or keep state outside the weights (observers, masks), and run
+        # again on resume.
+        self.active = self.streaming or METHODS[stage_type].saves_layers
         self.layers = []
         if self.active:
             self.saved = None  # a new resumable stage replaces whatever was saved

@@ -43,14 +43,13 @@ from optc.memory import limit_fragmentation
 from optc.model.load import DEFAULT_MODEL, DTYPES
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
-from optc.methods.stages import STAGES, Workspace
+from optc.methods import METHODS, Workspace
 
 if TYPE_CHECKING:
     from optc.evaluate.suite import EvalOptions
 
 log = logging.getLogger(__name__)
 
-STREAM_STAGES = ("rtn", "gptq", "awq")
 # "auto" streams when the weights would take more than this share of the available memory.
 _AUTO_SHARE = 0.5
 
@@ -58,8 +57,9 @@ _AUTO_SHARE = 0.5
 def streaming_problem(recipe: Recipe) -> str | None:
     """Why ``recipe`` cannot run streaming, or None."""
     types = [s.type for s in recipe.stages]
-    if len(types) != 1 or types[0] not in STREAM_STAGES:
-        return (f"streaming runs exactly one {', '.join(STREAM_STAGES)} stage; this recipe has "
+    streams = [name for name, m in METHODS.items() if m.streams]
+    if len(types) != 1 or types[0] not in streams:
+        return (f"streaming runs exactly one {', '.join(streams)} stage; this recipe has "
                 f"{' -> '.join(types) or 'no stages'} (run it without streaming)")
     if recipe.export.format != "compressed-tensors":
         return (f"streaming writes compressed-tensors (pack-quantized), not {recipe.export.format}; "
@@ -319,7 +319,7 @@ def run_streaming(
                 report["metrics"]["perplexity_baseline"] = baseline_perplexity(
                     store, recipe.evaluation, lambda: _streamed_eval(model, source, tokens, recipe.evaluation, progress))
         stage = recipe.stages[0]
-        _, fn = STAGES[stage.type]
+        fn = METHODS[stage.type].run
         store.begin_stage(0, stage.type)
         t0 = time.perf_counter()
         log.info("stage 0: %s (streaming)", stage.type)

@@ -1,0 +1,99 @@
+"""Glue the methods share: recording a quantized Linear, the calibration run, masks and their
+summary, the in-order collection of true-sequential runs.
+
+Imports torch: the method modules import it inside their ``run`` functions, so the registry
+and the recipe schema stay torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from optc.calibrate.sequential import LayerStep, run_sequential
+from optc.calibrate.stats import Discard
+from optc.compress.masks import nm_violations
+from optc.methods.base import StageConfig
+from optc.methods.workspace import Workspace
+from optc.model.anatomy import find_decoder_layers, set_weight_2d, weight_2d
+
+
+def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    return float((w_hat.float() - w.float()).norm() / w.float().norm().clamp_min(1e-12))
+
+
+def record_quantized(ws: Workspace, name: str, module: torch.nn.Module, w_hat, p) -> dict:
+    """Write the quantized weight into the model, keep its grid; per-Linear stats."""
+    w = weight_2d(module).detach()
+    err = relative_error(w, w_hat)
+    set_weight_2d(module, w_hat)
+    ws.qparams[name] = p
+    return {"scheme": p.scheme.label(), "rel_error": round(err, 6)}
+
+
+def run_calibration(ws: Workspace, cfg: StageConfig, solve, description: str, records: dict | None = None) -> list[dict]:
+    """Layer by layer over the calibration samples, ``solve`` called on each layer's step."""
+    return run_sequential(
+        ws.model, ws.calibration_ids(), solve,
+        targets=cfg.targets, ignore=cfg.ignore,
+        batch_size=ws.calibration.resolved_batch_size(ws.device), device=ws.device,
+        autocast=ws.calibration.autocast_dtype(), progress=ws.progress, description=description,
+        store=ws.store, records=records,
+    )
+
+
+def collect_in_order(step: LayerStep, names: list[str], make) -> Iterator[tuple[list[str], dict]]:
+    """Groups of Linears sharing one input, in execution order, each collected only after the
+    previous groups were compressed (true-sequential). The first pass also finds the order: the
+    engine creates one accumulator per distinct input, in the order the inputs occur."""
+    order: list[str] = []
+
+    def first_only(name: str, module: torch.nn.Module):
+        order.append(name)
+        return make(name, module) if len(order) == 1 else Discard()
+
+    accs = step.collect(names, first_only)
+    groups = [[n for n in names if n in accs and accs[n] is accs[o]] for o in order]
+    yield groups[0], {n: accs[n] for n in groups[0]}
+    for group in groups[1:]:
+        yield group, step.collect(group, make)
+
+
+def apply_mask(ws: Workspace, name: str, module: torch.nn.Module, mask: torch.Tensor) -> dict:
+    """Zero pruned weights; a mask from an earlier stage is kept (masks never regrow)."""
+    if name in ws.masks:
+        mask = mask & ws.masks[name]
+    w = weight_2d(module).detach()
+    set_weight_2d(module, w * mask)
+    ws.masks[name] = mask
+    return {"sparsity": round(1 - float(mask.float().mean()), 6)}
+
+
+def sparsity_summary(
+    model: torch.nn.Module, linears: dict[str, torch.nn.Module], nm: tuple[int, int] | None
+) -> dict:
+    """Sparsity of the pruned Linears overall and per decoder layer, and the N:M check."""
+    prefix, _ = find_decoder_layers(model)
+    zeros = total = violations = 0
+    per_layer: dict[str, list[int]] = {}
+    for name, module in linears.items():
+        w = weight_2d(module).detach()
+        z = int((w == 0).sum())
+        zeros, total = zeros + z, total + w.numel()
+        layer = f"{prefix}.{name[len(prefix) + 1:].split('.')[0]}"
+        acc = per_layer.setdefault(layer, [0, 0])
+        acc[0], acc[1] = acc[0] + z, acc[1] + w.numel()
+        if nm is not None:
+            violations += nm_violations(w, *nm)
+    out = {
+        "sparsity": round(zeros / max(1, total), 6),
+        "layer_sparsity": {k: round(z / t, 6) for k, (z, t) in per_layer.items()},
+    }
+    note = f"overall sparsity {out['sparsity']:.4f}"
+    if nm is not None:
+        out.update(pattern=f"{nm[0]}:{nm[1]}", nm_violations=violations)
+        note += (f"; exactly {nm[0]}:{nm[1]} in every group" if not violations
+                 else f"; {violations} groups break {nm[0]}:{nm[1]}")
+    out["notes"] = [note]
+    return out
