@@ -26,7 +26,7 @@ from optc.compress.actquant import (
 from optc.compress.smoothquant import smoothquant_scale
 from optc.errors import OptcError
 from optc.export.compressed_tensors import read_compressed_tensors, write_int_quantized
-from optc.model.load import load_model
+from optc.export.load import load_checkpoint as load_model
 from optc.recipe import builtin_recipes, load_recipe, parse_recipe
 from optc.methods.stages import SmoothQuantStage, W8A8Stage, Workspace, run_smoothquant, run_w8a8
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens

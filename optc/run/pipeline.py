@@ -21,14 +21,13 @@ from optc.evaluate.gates import check_gates, parse_gates, require_measurable
 from optc.evaluate.perplexity import PerplexityResult, evaluation_token_cache, paired_difference
 from optc.evaluate.report import layer_statistics, stage_layer_info
 from optc.evaluate.size import size_metrics
-from optc.export.compressed_tensors import write_int_quantized, write_pack_quantized
 from optc.export.compressed_tensors import sparsity_config, write_sparsity_config
 from optc.export.checkpoint import check_free_space, check_output, directory_bytes, estimate_checkpoint_bytes
-from optc.export.checkpoint import staged_output, write_dense
-from optc.export.convert import FORMATS as CONVERT_FORMATS
-from optc.export.convert import check_recipe_export, export_model
+from optc.export.checkpoint import staged_output
+from optc.export.formats import check_schemes, get_format
+from optc.export.load import load_checkpoint as load_model
+from optc.export.source import ModelSource
 from optc.memory import trim
-from optc.model.load import load_model
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
 from optc.methods.recover_training import check_recoverable, restore_base, write_adapter
@@ -184,7 +183,7 @@ def _run_recipe(
                     ws.adapter.base_model = str(output)
                 fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
                 adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
-                if ws.masks and recipe.export.sparsity_metadata and fmt.split("/")[0] in ("dense", "compressed-tensors"):
+                if ws.masks and recipe.export.sparsity_metadata and get_format(recipe.export.format).sparsity_metadata:
                     write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
                 (tmp / "recipe.yaml").write_text(recipe.to_yaml())
                 report["checkpoint"] = {"path": str(output), "format": fmt, "bytes": directory_bytes(tmp)}
@@ -282,35 +281,30 @@ def _add_eval_details(report: dict, model: torch.nn.Module, layers: list[dict] |
 
 def export_checkpoint(ws: Workspace, fmt: str, directory: Path, max_shard_size: str) -> str:
     """Write the workspace's model in ``fmt``; returns the format name written."""
-    if fmt == "dense":
-        if input_quant_of(ws.model):
-            log.warning("dense format keeps the fake-quantized weights but not the activation scales")
-        write_dense(ws.model, ws.tokenizer, directory, max_shard_size)
-        return "dense"
-    if fmt == "compressed-tensors":
-        if not ws.qparams:
-            raise OptcError(
-                "export format compressed-tensors needs quantized weights; this recipe quantizes "
-                "nothing (use format: dense)"
-            )
-        input_quant = input_quant_of(ws.model)
-        if input_quant:  # W8A8: the sub-format follows from what was quantized
-            info = write_int_quantized(
-                ws.model, ws.qparams, input_quant, directory, max_shard_bytes=parse_size(max_shard_size)
-            )
-            ws.tokenizer.save_pretrained(directory)
-            return f"compressed-tensors/{info['format']}"
-        write_pack_quantized(ws.model, ws.qparams, directory, max_shard_bytes=parse_size(max_shard_size))
-        ws.tokenizer.save_pretrained(directory)
-        return "compressed-tensors/pack-quantized"
-    if fmt in CONVERT_FORMATS:
-        if input_quant_of(ws.model):
-            raise OptcError(f"export format {fmt} stores weight-only quantization; this recipe also "
-                            "quantizes activations (use compressed-tensors)")
-        info = export_model(ws.model, ws.tokenizer, ws.qparams, fmt, directory,
-                            max_shard_bytes=parse_size(max_shard_size))
-        return info["format"]
-    raise OptcError(f"export format {fmt!r} is not available")
+    target = get_format(fmt)
+    if target.needs_quantized and not ws.qparams:
+        raise OptcError(
+            f"export format {fmt} needs quantized weights; this recipe quantizes "
+            "nothing (use format: dense)"
+        )
+    src = ModelSource(ws.model, ws.tokenizer, ws.qparams, input_quant_of(ws.model), ws.masks)
+    return target.write(src, directory, max_shard_bytes=parse_size(max_shard_size))["format"]
+
+
+# --- recipe side of the export pre-check (moved from optc.export.convert: it reads recipe stages) ---
+
+
+def check_recipe_export(recipe: Recipe) -> None:
+    """Refuse, before any calibration, a recipe whose schemes its export format cannot hold."""
+    schemes = []
+    for i, stage in enumerate(recipe.stages):
+        if stage.type not in QUANT_STAGES:
+            continue
+        permuted = getattr(stage, "groups", None) == "permuted" and getattr(stage, "actorder", False)
+        candidates = [("scheme", stage.scheme)] + [(f"override {o.pattern!r}", o.scheme) for o in stage.overrides]
+        schemes += [(f"stage {i} ({stage.type}) {where}", scheme, permuted) for where, scheme in candidates
+                    if scheme is not None]
+    check_schemes(recipe.export.format, schemes)
 
 
 def parse_size(text: str) -> int:
