@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
+from optc.export.formats import FORMATS
 from optc.methods import METHODS
 
 RECIPE_VERSION = 1
@@ -57,11 +58,19 @@ class EvaluationConfig(BaseModel):
 class ExportConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["dense", "compressed-tensors", "gptq", "awq", "gguf-q4_0", "gguf-q8_0", "gguf-f16"] = "dense"
+    format: str = Field("dense", description="export format: a registered format name (optc.export.formats)")
     max_shard_size: str = "2GB"
     sparsity_metadata: bool = Field(
         True, description="pruned models: add compressed-tensors' sparsity_config to config.json"
     )
+
+    @field_validator("format")
+    @classmethod
+    def _registered_format(cls, v: str) -> str:
+        # Checked against the registry when validating, so a format registered after import counts.
+        if v not in FORMATS:
+            raise ValueError(f"unknown export format {v!r} (expected one of {', '.join(FORMATS)})")
+        return v
 
 
 class Recipe(BaseModel):

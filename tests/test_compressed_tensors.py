@@ -25,15 +25,9 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig
 
 from optc.compress.quant import QuantParams, QuantScheme, compute_qparams, fake_quantize, quantize
 from optc.errors import OptcError
-from optc.export import compressed_tensors as ct_export
-from optc.export.compressed_tensors import (
-    even_group_size,
-    pack_int32,
-    read_pack_quantized,
-    regroup,
-    unpack_int32,
-    write_pack_quantized,
-)
+from optc.export import ct_pack as ct_export
+from optc.export.ct_pack import read_pack_quantized, write_pack_quantized
+from optc.export.packing import even_group_size, pack_int32, regroup, unpack_int32
 from optc.model.safetensors_io import INDEX_FILE, model_state_dict, write_safetensors
 from optc.testing import tiny_model, tiny_tokens
 

@@ -19,7 +19,7 @@ from optc.compress.quant import QuantParams, dequantize, quantize
 from optc.errors import OptcError
 from optc.export.awq_format import write_awq
 from optc.export.convert import export_model
-from optc.model.load import load_model
+from optc.export.load import load_checkpoint as load_model
 from test_formats_support import (  # noqa: F401 - fixtures
     fp16_tolerance,
     logits,
@@ -90,7 +90,7 @@ def test_layout_matches_reference_unpacker(tiny_lm, tiny_tokenizer, tiny_ids, tm
 
 
 def test_interleave_known_word() -> None:
-    from optc.export.awq_format import pack_awq
+    from optc.export.packing import pack_awq
 
     # Columns 0..7 holding signed codes -8..-1 (unsigned 0..7): nibble i holds column ORDER_MAP[i].
     q = torch.arange(-8, 0, dtype=torch.int8)[None]

@@ -15,7 +15,7 @@ from optc.cli.main import app
 from optc.errors import OptcError
 from optc.export.convert import convert_checkpoint, export_model
 from optc.export.inspect import inspect_checkpoint
-from optc.model.load import load_model
+from optc.export.load import load_checkpoint as load_model
 from optc.run.pipeline import run_recipe
 from optc.recipe import parse_recipe
 from test_formats_support import (  # noqa: F401 - fixtures

@@ -18,8 +18,9 @@ import torch
 from optc.compress.quant import QuantParams, QuantScheme, dequantize, quantize
 from optc.errors import OptcError
 from optc.export.convert import export_model
-from optc.export.gptq_format import pack_qzeros, v1_representable, write_gptq
-from optc.model.load import load_model
+from optc.export.gptq_format import write_gptq
+from optc.export.load import load_checkpoint as load_model
+from optc.export.packing import pack_qzeros, v1_representable
 from optc.methods import Workspace
 from optc.methods.gptq import GPTQStage, run_gptq
 from test_formats_support import (  # noqa: F401 - fixtures

@@ -26,7 +26,7 @@ from optc.compress.actquant import (
 from optc.compress.smoothquant import smoothquant_scale
 from optc.errors import OptcError
 from optc.export.compressed_tensors import read_compressed_tensors, write_int_quantized
-from optc.model.load import load_model
+from optc.export.load import load_checkpoint as load_model
 from optc.recipe import builtin_recipes, load_recipe, parse_recipe
 from optc.methods import Workspace
 from optc.methods.smoothquant import SmoothQuantStage, run_smoothquant

@@ -10,9 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from optc.model.anatomy import select_linears
 from optc.errors import OptcError
-from optc.export.checkpoint import write_dense
-from optc.export.compressed_tensors import write_pack_quantized
-from optc.model.load import _load_pack_quantized
+from optc.export.ct_pack import read_pack_quantized, write_pack_quantized
+from optc.export.dense import write_dense
+from optc.export.reading import load_dequantized
 from optc.methods import METHODS, Workspace
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens
 
@@ -59,7 +59,7 @@ def test_gptq_checkpoint_reloads_in_transformers(arch, groups, tmp_path):
     with torch.no_grad():
         ours = model(ids).logits
         theirs = AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits
-        own, qparams = _load_pack_quantized(tmp_path, torch.float32)
+        own, qparams = load_dequantized(tmp_path, torch.float32, read_pack_quantized)
         again = own(ids).logits
     assert (ours - theirs).abs().max() < 1e-4
     assert (ours - again).abs().max() < 1e-5

@@ -163,7 +163,7 @@ def test_adapter_export_loads_in_peft(tiny_checkpoint, tmp_path):
     from peft import PeftModel
     from safetensors.torch import load_file
 
-    from optc.model.load import load_model
+    from optc.export.load import load_checkpoint as load_model
     from optc.run.pipeline import run_recipe
 
     stages = [{"type": "rtn", "scheme": {"bits": 4, "group_size": 32}},
@@ -232,7 +232,7 @@ def test_cli_recover_resume_without_state(tiny_checkpoint, tmp_path):
 
 
 def test_recover_a_pruned_checkpoint_keeps_its_zeros(tiny_checkpoint, tmp_path):
-    from optc.model.load import load_model
+    from optc.export.load import load_checkpoint as load_model
     from optc.run.pipeline import run_recipe
 
     run_recipe(_recipe(tiny_checkpoint, [{"type": "magnitude", "pattern": "2:4"}]), tmp_path / "sparse")

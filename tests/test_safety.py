@@ -22,7 +22,7 @@ import optc.run.pipeline
 from optc.cli.main import app
 from optc.errors import OptcError
 from optc.export.checkpoint import estimate_checkpoint_bytes, is_disk_full
-from optc.model.load import load_model
+from optc.export.load import load_checkpoint as load_model
 from optc.testing import tiny_model
 
 SOURCE = Path(optc.__file__).parent

@@ -21,6 +21,7 @@ from rich.table import Table
 import optc
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.protocol import KERNEL_CHOICES, EvalProtocol, LatencyOptions
+from optc.export.formats import format_help
 from optc.methods import METHODS, methods_of_kind
 
 app = typer.Typer(
@@ -53,7 +54,7 @@ EvalDatasetOpt = Annotated[Optional[str], typer.Option("--eval-dataset", help="E
 WindowsOpt = Annotated[Optional[int], typer.Option("--windows", help="Evaluate the first N windows only.")]
 NoEvalOpt = Annotated[bool, typer.Option("--no-eval", help="Skip perplexity evaluation.")]
 TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repository.")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", help="Export format: dense, compressed-tensors, gptq, awq, gguf-q4_0, gguf-q8_0 or gguf-f16.")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", help=f"Export format: {format_help()}.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
 GateOpt = Annotated[Optional[list[str]], typer.Option("--gate", help="CI gate, e.g. 'ppl_increase<=5%' (repeatable); a failed gate exits with code 3 after the report is written.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; print only errors and failed gates.")]
@@ -398,7 +399,7 @@ def recover(
     gate: GateOpt = None, quiet: QuietOpt = False,
 ) -> None:
     """Recover accuracy with a LoRA fine-tune distilled from the float model; masks and grids are kept."""
-    from optc.model.load import checkpoint_is_quantized
+    from optc.export.load import checkpoint_is_quantized
     from optc.recipe import read_recipe_data, resolve_recipe
 
     data = read_recipe_data(resolve_recipe(recipe))
@@ -541,7 +542,7 @@ def inspect(
 @handle_errors
 def export(
     model: Annotated[str, typer.Argument(help="Checkpoint to convert: compressed-tensors, GPTQ, AWQ, dense directory or .gguf.")],
-    fmt: Annotated[str, typer.Option("--format", help="gptq, awq, compressed-tensors, dense, gguf-q4_0, gguf-q8_0 or gguf-f16.")],
+    fmt: Annotated[str, typer.Option("--format", help=f"Target format. {format_help(descriptions=True)}.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (written atomically).")],
     overwrite: OverwriteOpt = False,
     requantize: Annotated[bool, typer.Option("--requantize", help="GGUF: round grids the block type cannot hold again (lossy).")] = False,

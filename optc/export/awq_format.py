@@ -21,52 +21,25 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize
 from optc.errors import OptcError
-from optc.export.compressed_tensors import pack_int32, unpack_int32
-from optc.export.gptq_format import (
-    check_linear,
-    grid_codes,
-    read_quantization_config,
-    read_tensors,
-    regroup_exact,
-    uniform_scheme,
-    write_config,
-)
-from optc.model.safetensors_io import model_state_dict, write_safetensors
+from optc.export.files import code_sparsity, describe_safetensors, one_scheme_summary, quant_method, read_config, read_tensors, write_config
+from optc.export.registry import Format
+from optc.export.source import ExportSource, ModelSource, check_linear, refuse_activations, save_tokenizer, uniform_scheme
+
+if TYPE_CHECKING:
+    import torch
+
+    from optc.compress.quant import QuantParams, QuantScheme
 
 log = logging.getLogger(__name__)
 
 FORMAT = "awq"
 VERSION = "gemm"
 BITS = 4
-PACK = 32 // BITS
-# Nibble i of each word holds column ORDER[i] of its 8-column block (AutoAWQ's order_map).
-ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-
-
-def _interleave_index(n: int, device: torch.device) -> torch.Tensor:
-    """Column read into each packed position: position 8c + i holds column 8c + ORDER[i]."""
-    base = torch.arange(0, n, PACK, device=device).unsqueeze(1)
-    return (base + torch.tensor(ORDER, device=device)).reshape(-1)
-
-
-def pack_awq(q: torch.Tensor) -> torch.Tensor:
-    """Signed 4-bit codes ``[R, N]`` (rows = input columns, or groups) packed ``[R, N/8]`` with AWQ's interleave."""
-    if q.shape[1] % PACK:
-        raise ValueError(f"AWQ packs outputs in words of {PACK}; N={q.shape[1]}")
-    return pack_int32(q[:, _interleave_index(q.shape[1], q.device)], BITS)
-
-
-def unpack_awq(packed: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack_awq`: signed codes ``[R, n]`` (int8)."""
-    interleaved = unpack_int32(packed, BITS, n)
-    out = torch.empty_like(interleaved)
-    out[:, _interleave_index(n, packed.device)] = interleaved
-    return out
+PACK = 32 // BITS  # outputs per int32 word
+DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
 def awq_config(group_size: int, modules_to_not_convert: list[str] | None) -> dict:
@@ -83,6 +56,8 @@ def awq_config(group_size: int, modules_to_not_convert: list[str] | None) -> dic
 
 def awq_group_size(qparams: dict[str, QuantParams]) -> int:
     """One group size that divides every K and re-expresses every module's groups exactly."""
+    from optc.export.packing import fit_group_size
+
     sizes = set()
     for name, p in qparams.items():
         if p.actorder:
@@ -90,59 +65,49 @@ def awq_group_size(qparams: dict[str, QuantParams]) -> int:
         k = p.g_idx.numel()
         sizes.add(k if p.scheme.group_size is None else p.scheme.group_size)
         sizes.add(k)
-    t = 0
-    for s in sizes:
-        t = math.gcd(t, s)
-    return t
+    return fit_group_size(min(sizes), sizes)
 
 
-def write_awq(
-    model: torch.nn.Module,
-    qparams: dict[str, QuantParams],
-    directory: Path,
-    *,
-    max_shard_bytes: int = 2 * 1024**3,
-) -> dict:
-    """Write ``model`` (fake-quantized Linears described by ``qparams``) as an AWQ GEMM checkpoint.
+def write_awq_source(src: ExportSource, directory: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
+    """Write ``src`` (fake-quantized Linears described by ``src.qparams``) as an AWQ GEMM checkpoint.
 
     Refused with the reason, before anything is written, unless every quantized module is a 4-bit
     ``nn.Linear`` with contiguous groups and N a multiple of 8. Per-channel or uneven groups are
     stored exactly with the finest group size they share with every K (scales repeated).
     """
+    import torch
+
+    from optc.compress.quant import QuantScheme
+    from optc.export.packing import grid_codes, pack_awq, regroup, splice, write_weights
+
+    qparams = src.qparams
     scheme = uniform_scheme(qparams, FORMAT)
     if scheme.bits != BITS:
         raise OptcError(f"AWQ GEMM holds 4-bit weights only, not {scheme.bits}-bit")
     group_size = awq_group_size(qparams)
-    state = model_state_dict(model)
+    stored = set(src.keys())
     # Loaders match these by substring, so full names keep layer 1 apart from layer 10.
-    floats = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in qparams]
+    floats = [n for n in src.linears() if n not in qparams]
     packed: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in qparams.items():
-        module = check_linear(model, name, FORMAT)
-        n = module.weight.shape[0]
+        check_linear(src, name, FORMAT)
+        n = src.spec(f"{name}.weight")[1][0]
         if n % PACK:
             raise OptcError(f"AWQ packs {PACK} outputs per word; {name} has {n}")
-        if f"{name}.weight" not in state:
+        if f"{name}.weight" not in stored:
             raise OptcError(f"{name}.weight is tied to another tensor; a tied weight cannot be quantized alone")
         if group_size != p.scheme.group_size:
-            p = regroup_exact(p, group_size)
+            p = regroup(p, group_size)
         with torch.no_grad():
-            q = grid_codes(name, module.weight, p)
+            q = grid_codes(name, src.tensor(f"{name}.weight"), p)
         packed[name] = {
             "qweight": pack_awq(q.t().contiguous()),
             "qzeros": pack_awq(p.zero.t().contiguous()),
             "scales": p.scale.t().contiguous().to(torch.float16),
         }
-    tensors: dict[str, torch.Tensor] = {}
-    for key, t in state.items():
-        mod, _, leaf = key.rpartition(".")
-        if leaf == "weight" and mod in packed:
-            tensors.update({f"{mod}.{k}": v for k, v in packed[mod].items()})
-        else:
-            tensors[key] = t
     directory = Path(directory)
-    files = write_safetensors(tensors, directory, max_shard_bytes=max_shard_bytes)
-    write_config(model, awq_config(group_size, floats), directory)
+    files = write_weights(splice(src, packed), directory, max_shard_bytes)
+    write_config(src, awq_config(group_size, floats), directory)
     label = QuantScheme(bits=BITS, symmetric=scheme.symmetric, group_size=group_size).label()
     summary = {
         "format": f"{FORMAT}/{VERSION}",
@@ -155,10 +120,26 @@ def write_awq(
     return summary
 
 
+def write_awq(
+    model: torch.nn.Module,
+    qparams: dict[str, QuantParams],
+    directory: Path,
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> dict:
+    """:func:`write_awq_source` of a model in memory."""
+    return write_awq_source(ModelSource(model, None, qparams), directory, max_shard_bytes=max_shard_bytes)
+
+
 def read_awq(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantParams]]:
     """optc's own reader: dequantized float state dict and the params of an AWQ GEMM checkpoint."""
+    import torch
+
+    from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize
+    from optc.export.packing import unpack_awq
+
     directory = Path(directory)
-    qc = read_quantization_config(directory)
+    qc = read_config(directory).get("quantization_config") or {}
     if qc.get("quant_method") != FORMAT:
         raise OptcError(f"{directory} is not an AWQ checkpoint")
     version = str(qc.get("version", VERSION)).lower()
@@ -195,3 +176,75 @@ def read_awq(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantP
         raise OptcError(f"{directory}: AWQ config but no .qweight tensors")
     state.update(tensors)
     return state, qparams
+
+
+# --- the registry entry -----------------------------------------------------------------------
+
+
+def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
+    if scheme is None:
+        return None
+    if scheme.bits != BITS:
+        return f"AWQ GEMM holds 4-bit weights only, not {scheme.bits}-bit"
+    if permuted:
+        return "AWQ has no g_idx for act-order (permuted) groups"
+    return None
+
+
+def _bits_per_weight(scheme: QuantScheme | None, in_features: int) -> float | None:
+    if scheme is None:
+        return None
+    group = scheme.group_size or in_features
+    return scheme.bits + 64 * math.ceil(in_features / group) / in_features  # 8-byte scale + zero per group
+
+
+def _write(src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None, requantize: bool = False) -> dict:
+    refuse_activations(src, FORMAT)
+    summary = write_awq_source(src, directory, max_shard_bytes=DEFAULT_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes)
+    save_tokenizer(src, directory)
+    return summary
+
+
+def _read(path: Path, dtype: Any):
+    from optc.export.reading import load_dequantized
+    from optc.model.load import CheckpointRead
+
+    model, qparams = load_dequantized(Path(path), dtype, read_awq)
+    return CheckpointRead(model, qparams)
+
+
+def _qweight_values(fh: Any, key: str) -> int | None:
+    """Weights of a ``qweight`` [K, N/8]: K from its rows, N from the ``scales`` beside it."""
+    scales = f"{key.removesuffix('.qweight')}.scales"
+    if scales not in fh.keys():
+        return None
+    return fh.get_slice(key).get_shape()[0] * fh.get_slice(scales).get_shape()[1]
+
+
+def _describe(path: Path) -> dict:
+    qc = read_config(path).get("quantization_config") or {}
+    summary = one_scheme_summary(qc, f"{FORMAT}/{qc.get('version', 'gemm')}")
+    info = describe_safetensors(path, summary, skip=(".qzeros", ".scales"), packed={".qweight": _qweight_values})
+    # AWQ always stores zero points: zero points all 8 are a symmetric grid in that layout.
+    state, qparams = read_awq(path)
+    sym = all(p.scheme.symmetric for p in qparams.values())
+    info.update({
+        "sparsity": code_sparsity(state, qparams),
+        "symmetric": [sym],
+        "scheme": f"int4-{'sym' if sym else 'asym'}-g{next(iter(qparams.values())).scheme.group_size}",
+    })
+    return info
+
+
+AWQ = Format(
+    name=FORMAT,
+    description="AWQ GEMM (AutoAWQ layout), 4-bit with contiguous groups; transformers and vLLM load it",
+    fits=_fits,
+    write=_write,
+    read=_read,
+    detect=lambda path: quant_method(path) == FORMAT,
+    describe=_describe,
+    bits_per_weight=_bits_per_weight,
+    one_scheme=True,
+    needs_quantized=True,
+)

@@ -1,4 +1,4 @@
-"""Writing checkpoint directories safely, and the dense (float) format.
+"""Writing checkpoint directories safely, and estimating their size before writing.
 
 Every output is assembled in a temporary directory beside the target and renamed into place
 only when complete, so a failure never leaves a half-written checkpoint; an existing target
@@ -18,8 +18,11 @@ from pathlib import Path
 
 import torch
 
-from optc.model.anatomy import weight_2d
 from optc.errors import OptcError
+from optc.export.dense import write_dense  # noqa: F401 - its older home
+from optc.export.files import directory_bytes  # noqa: F401 - its older home
+from optc.export.formats import get_format
+from optc.model.anatomy import weight_2d
 
 log = logging.getLogger(__name__)
 
@@ -63,17 +66,6 @@ def staged_output(target: Path, overwrite: bool, protect: Path | None = None) ->
         tmp.rename(target)
 
 
-def write_dense(model: torch.nn.Module, tokenizer, directory: Path, max_shard_size: str = "2GB") -> None:
-    """A plain float checkpoint any transformers version loads (weights as they are now)."""
-    model.save_pretrained(directory, max_shard_size=max_shard_size, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(directory)
-
-
-def directory_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
-
-
 def is_disk_full(exc: BaseException) -> bool:
     """ENOSPC from Python's I/O, or the same error reported by safetensors' Rust writer
     (a ``SafetensorError`` whose text carries the OS error)."""
@@ -96,17 +88,16 @@ def _free_mib(path: Path) -> int:
 
 # Tokenizer, config and report files beside the weights; generous for large vocabularies.
 _SIDE_FILES_BYTES = 32 * 2**20
-_GGUF_LINEAR_BITS = {"gguf-q4_0": 4.5, "gguf-q8_0": 8.5, "gguf-f16": 16.0}
 
 
 def estimate_checkpoint_bytes(model: torch.nn.Module, schemes: Mapping[str, object], fmt: str) -> int:
     """An upper estimate of the checkpoint ``fmt`` writes for ``model``.
 
     ``schemes`` maps Linear names to their weight scheme (objects with ``bits`` and
-    ``group_size``); those weights cost ``bits`` per value plus 8 bytes per group (scale and
-    zero point), every other tensor its in-memory size. ``dense`` stores every weight as a
-    float; GGUF block types fix the bits.
+    ``group_size``); those weights cost what the format's ``bits_per_weight`` says (scales and
+    zero points included), every other tensor its in-memory size.
     """
+    bits_per_weight = get_format(fmt).bits_per_weight
     total = 0
     seen: set[int] = set()
     for name, param in model.named_parameters():
@@ -115,13 +106,15 @@ def estimate_checkpoint_bytes(model: torch.nn.Module, schemes: Mapping[str, obje
         seen.add(param.data_ptr())
         module, _, kind = name.rpartition(".")
         scheme = schemes.get(module) if kind == "weight" else None
-        if scheme is None or fmt == "dense" or param.dim() != 2:
+        bits = None
+        if scheme is not None and param.dim() == 2:
+            cols = weight_2d(model.get_submodule(module)).shape[1]  # in_features (GPT-2 stores [in, out])
+            bits = bits_per_weight(scheme, cols)
+        if bits is None:
             total += param.numel() * param.element_size()
-            continue
-        bits = _GGUF_LINEAR_BITS.get(fmt, float(getattr(scheme, "bits", 16)))
-        rows, cols = weight_2d(model.get_submodule(module)).shape  # [out, in] (GPT-2 stores [in, out])
-        group = getattr(scheme, "group_size", None) or cols
-        total += math.ceil(param.numel() * bits / 8) + 8 * rows * math.ceil(cols / group)
+        else:
+            # Built-in formats store whole or half bits per value: the rounding drops float noise only.
+            total += math.ceil(round(param.numel() * bits, 1) / 8)
     return total
 
 

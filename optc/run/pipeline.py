@@ -20,14 +20,13 @@ from optc.evaluate.gates import check_gates, parse_gates, require_measurable
 from optc.evaluate.perplexity import PerplexityResult, evaluation_token_cache, paired_difference
 from optc.evaluate.report import layer_statistics, stage_layer_info
 from optc.evaluate.size import size_metrics
-from optc.export.compressed_tensors import write_int_quantized, write_pack_quantized
 from optc.export.compressed_tensors import sparsity_config, write_sparsity_config
 from optc.export.checkpoint import check_free_space, check_output, directory_bytes, estimate_checkpoint_bytes
-from optc.export.checkpoint import staged_output, write_dense
-from optc.export.convert import FORMATS as CONVERT_FORMATS
-from optc.export.convert import export_model, scheme_fits
+from optc.export.checkpoint import staged_output
+from optc.export.formats import check_schemes, get_format
+from optc.export.load import load_checkpoint as load_model
+from optc.export.source import ModelSource
 from optc.memory import trim
-from optc.model.load import load_model
 from optc.progress import NullProgress, Progress
 from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.recipe import EvaluationConfig, Recipe
@@ -110,7 +109,7 @@ def _run_recipe(
     t_start = time.perf_counter()
     if output is not None:
         check_output(output, overwrite)
-        _check_export(recipe)  # an impossible export is refused before any calibration
+        check_recipe_export(recipe)  # an impossible export is refused before any calibration
     if wants_streaming(recipe):
         return run_streaming(recipe, output, overwrite=overwrite, device=device, trust_remote_code=trust_remote_code,
                              progress=progress, gate_list=gate_list, resume=resume)
@@ -185,7 +184,7 @@ def _run_recipe(
                     ws.adapter.base_model = str(output)
                 fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
                 adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
-                if ws.masks and recipe.export.sparsity_metadata and fmt.split("/")[0] in ("dense", "compressed-tensors"):
+                if ws.masks and recipe.export.sparsity_metadata and get_format(recipe.export.format).sparsity_metadata:
                     write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
                 (tmp / "recipe.yaml").write_text(recipe.to_yaml())
                 report["checkpoint"] = {"path": str(output), "format": fmt, "bytes": directory_bytes(tmp)}
@@ -251,28 +250,6 @@ def planned_schemes(model: torch.nn.Module, recipe: Recipe) -> dict:
     return _planned_schemes(model, recipe.stages)
 
 
-def _check_export(recipe: Recipe) -> None:
-    """Refuse, before any calibration, a recipe whose schemes its export format cannot hold.
-
-    Stands in for optc.export.convert.check_recipe_export (which read the removed QUANT_STAGES)
-    until export takes plain data: the same checks and messages over ``declared_schemes``."""
-    fmt = recipe.export.format
-    if fmt not in CONVERT_FORMATS:
-        return
-    schemes = declared_schemes(recipe.stages)
-    for where, scheme, permuted in schemes:
-        reason = scheme_fits(scheme, fmt, permuted)
-        if reason is not None:
-            raise OptcError(f"export format {fmt}: {where}: {reason}")
-    if fmt in ("gptq", "awq"):
-        kinds = {(s.bits, s.symmetric) for _, s, _ in schemes}
-        if len(kinds) > 1:
-            raise OptcError(
-                f"export format {fmt} holds one scheme per checkpoint; the recipe mixes "
-                f"{', '.join(sorted({s.label() for _, s, _ in schemes}))} (use compressed-tensors)"
-            )
-
-
 def _recipe_gates(recipe: Recipe, extra: list[str] | None, output: Path | None) -> list:
     """The recipe's ``gates:`` plus command-line ones, refused early if not measurable."""
     gate_list = parse_gates(list(getattr(recipe, "gates", None) or []) + list(extra or []))
@@ -298,35 +275,19 @@ def _add_eval_details(report: dict, model: torch.nn.Module, layers: list[dict] |
 
 def export_checkpoint(ws: Workspace, fmt: str, directory: Path, max_shard_size: str) -> str:
     """Write the workspace's model in ``fmt``; returns the format name written."""
-    if fmt == "dense":
-        if input_quant_of(ws.model):
-            log.warning("dense format keeps the fake-quantized weights but not the activation scales")
-        write_dense(ws.model, ws.tokenizer, directory, max_shard_size)
-        return "dense"
-    if fmt == "compressed-tensors":
-        if not ws.qparams:
-            raise OptcError(
-                "export format compressed-tensors needs quantized weights; this recipe quantizes "
-                "nothing (use format: dense)"
-            )
-        input_quant = input_quant_of(ws.model)
-        if input_quant:  # W8A8: the sub-format follows from what was quantized
-            info = write_int_quantized(
-                ws.model, ws.qparams, input_quant, directory, max_shard_bytes=parse_size(max_shard_size)
-            )
-            ws.tokenizer.save_pretrained(directory)
-            return f"compressed-tensors/{info['format']}"
-        write_pack_quantized(ws.model, ws.qparams, directory, max_shard_bytes=parse_size(max_shard_size))
-        ws.tokenizer.save_pretrained(directory)
-        return "compressed-tensors/pack-quantized"
-    if fmt in CONVERT_FORMATS:
-        if input_quant_of(ws.model):
-            raise OptcError(f"export format {fmt} stores weight-only quantization; this recipe also "
-                            "quantizes activations (use compressed-tensors)")
-        info = export_model(ws.model, ws.tokenizer, ws.qparams, fmt, directory,
-                            max_shard_bytes=parse_size(max_shard_size))
-        return info["format"]
-    raise OptcError(f"export format {fmt!r} is not available")
+    target = get_format(fmt)
+    if target.needs_quantized and not ws.qparams:
+        raise OptcError(
+            f"export format {fmt} needs quantized weights; this recipe quantizes "
+            "nothing (use format: dense)"
+        )
+    src = ModelSource(ws.model, ws.tokenizer, ws.qparams, input_quant_of(ws.model), ws.masks)
+    return target.write(src, directory, max_shard_bytes=parse_size(max_shard_size))["format"]
+
+
+def check_recipe_export(recipe: Recipe) -> None:
+    """Refuse, before any calibration, a recipe whose schemes its export format cannot hold."""
+    check_schemes(recipe.export.format, declared_schemes(recipe.stages))
 
 
 def parse_size(text: str) -> int:

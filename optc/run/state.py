@@ -312,7 +312,7 @@ class LayerStore:
 
     def _write_part(self, i: int, name: str, layer: nn.Module, mine: list[str], staged: list[Path]) -> dict:
         """The layer's checkpoint tensors (pack-quantized Linears, float rest), in state-dict order."""
-        from optc.export.compressed_tensors import _target_group_sizes, pack_linear
+        from optc.export.ct_pack import _target_group_sizes, pack_linear
 
         qp = {m: self.qparams[m] for m in mine}
         targets = _target_group_sizes(qp, "per_layer")

@@ -36,7 +36,7 @@ from optc.evaluate.perplexity import evaluation_token_cache
 from optc.evaluate.report import new_report, stage_layer_info, write_report
 from optc.evaluate.streaming import streamed_perplexity
 from optc.export.checkpoint import check_output, directory_bytes, staged_output
-from optc.export.compressed_tensors import write_pack_quantized_config
+from optc.export.ct_pack import write_pack_quantized_config
 from optc.model.safetensors_io import model_state_dict
 from optc.model.safetensors_io import Lazy, write_sharded
 from optc.memory import limit_fragmentation

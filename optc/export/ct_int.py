@@ -1,0 +1,187 @@
+"""compressed-tensors ``int-quantized`` (W8A8): int8 weights stored whole, activation scales beside them.
+
+Layout, checked against compressed-tensors 0.20.1 (``compressors/naive_quantized/base.py``,
+``quantization/lifecycle/{initialize,forward}.py``) and vLLM's W8A8 int8 scheme:
+
+- ``<m>.weight`` int8 ``[N, K]``: the signed codes themselves (no packing).
+- ``<m>.weight_scale`` ``[N, G]`` in the weight's dtype (``[N, 1]`` per channel);
+  ``<m>.weight_zero_point`` int8 ``[N, G]`` only when asymmetric.
+- ``<m>.input_scale`` ``[1]`` for static per-tensor activations; nothing for dynamic ones,
+  whose scales the runtime computes per token (or per tensor) on the fly.
+
+A checkpoint whose Linears are not all W8A8 (weight-only ones kept as pack-quantized) is
+``mixed-precision`` with each config group naming its own format.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import get_args
+
+import torch
+
+from optc.compress.actquant import ActivationScheme, InputQuant
+from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize, quantize
+from optc.errors import OptcError
+from optc.export.ct_pack import (
+    DEFAULT_SHARD_BYTES,
+    _target_group_sizes,
+    checked_linear,
+    compress_weight,
+    read_pack_quantized,
+    weight_scheme,
+    weights_args,
+    write_ct_config,
+)
+from optc.export.ct_pack import FORMAT as PACK_FORMAT
+from optc.export.files import quantization_config
+from optc.export.packing import regroup, splice, write_weights
+from optc.export.source import ExportSource, ModelSource
+
+log = logging.getLogger(__name__)
+
+INT_FORMAT = "int-quantized"
+MIXED_FORMAT = "mixed-precision"
+# The observers ActivationScheme accepts; another name read from a file is free text, not kept.
+_OBSERVERS = get_args(ActivationScheme.model_fields["observer"].annotation)
+
+
+def _input_args(scheme: ActivationScheme) -> dict:
+    args = {
+        "num_bits": scheme.bits,
+        "type": "int",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": scheme.strategy,
+        "dynamic": scheme.dynamic,
+    }
+    if not scheme.dynamic:
+        # Free text in compressed-tensors' QuantizationArgs: records how the scale was chosen.
+        args["observer"] = scheme.observer
+    return args
+
+
+def _compress_int_module(weight: torch.Tensor, p: QuantParams, iq: InputQuant) -> dict[str, torch.Tensor]:
+    scale_dtype = weight.dtype if weight.is_floating_point() else torch.float16
+    out = {"weight": quantize(weight, p), "weight_scale": p.scale.to(scale_dtype)}
+    if not p.scheme.symmetric:
+        out["weight_zero_point"] = p.zero.to(torch.int8)
+    if iq.scale is not None:
+        out["input_scale"] = iq.scale.reshape(1).to(scale_dtype)
+    return out
+
+
+def write_int(src: ExportSource, directory: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
+    """Write a W8A8 checkpoint: Linears in ``src.input_quant`` as ``int-quantized`` (int8 weights,
+    ``input_scale`` when static), other quantized Linears as ``pack-quantized``.
+
+    Every Linear with activation quantization must have quantized weights (``qparams``):
+    int8 GEMMs need both operands in int8.
+    """
+    qparams, input_quant = src.qparams, src.input_quant
+    if not input_quant:
+        raise OptcError("no Linear has activation quantization; write pack-quantized instead")
+    directory = Path(directory)
+    stored, linears = set(src.keys()), set(src.linears())
+    missing = sorted(set(input_quant) - set(qparams))
+    if missing:
+        raise OptcError(f"{missing[0]} quantizes its input but not its weights; int-quantized needs both")
+    targets = _target_group_sizes(qparams, "per_layer")
+
+    compressed: dict[str, dict[str, torch.Tensor]] = {}
+    groups: dict[tuple, list[str]] = {}
+    for name, p in qparams.items():
+        checked_linear(src, name, stored, linears, "compressed-tensors")
+        if p.actorder:
+            raise OptcError(f"{name} uses act-order groups (permuted g_idx), which {INT_FORMAT} cannot store")
+        if targets[name] != p.scheme.group_size:
+            p = regroup(p, targets[name])
+        iq = input_quant.get(name)
+        weight = src.tensor(f"{name}.weight")
+        with torch.no_grad():
+            if iq is None:
+                compressed[name] = compress_weight(name, weight, p)
+            else:
+                compressed[name] = _compress_int_module(weight, p, iq)
+        act_key = None if iq is None else (iq.scheme.strategy, iq.scheme.dynamic, iq.scheme.observer if not iq.scheme.dynamic else None)
+        key = (p.scheme.bits, p.scheme.symmetric, p.scheme.group_size, act_key)
+        groups.setdefault(key, []).append(name)
+
+    files = write_weights(splice(src, compressed), directory, max_shard_bytes)
+
+    config_groups = {}
+    formats = set()
+    for i, ((bits, sym, gs, act_key), names) in enumerate(groups.items()):
+        fmt = PACK_FORMAT if act_key is None else INT_FORMAT
+        formats.add(fmt)
+        config_groups[f"group_{i}"] = {
+            "targets": names,
+            "weights": weights_args(QuantScheme(bits=bits, symmetric=sym, group_size=gs), False),
+            "input_activations": None if act_key is None else _input_args(input_quant[names[0]].scheme),
+            "output_activations": None,
+            "format": fmt,
+        }
+    fmt = formats.pop() if len(formats) == 1 else MIXED_FORMAT
+    ignore = [n for n in src.linears() if n not in qparams]
+    write_ct_config(src, directory, config_groups, ignore, fmt)
+    summary = {
+        "format": fmt,
+        "bytes": sum(f.stat().st_size for f in files),
+        "modules": len(compressed),
+        "activation_modules": len(input_quant),
+        "files": [f.name for f in files],
+    }
+    log.info("%s: %d modules, %d bytes in %s", fmt, summary["modules"], summary["bytes"], directory)
+    return summary
+
+
+def write_int_quantized(
+    model: torch.nn.Module,
+    qparams: dict[str, QuantParams],
+    input_quant: dict[str, InputQuant],
+    directory: Path,
+    *,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> dict:
+    """:func:`write_int` of a model in memory."""
+    return write_int(ModelSource(model, None, qparams, input_quant), directory, max_shard_bytes=max_shard_bytes)
+
+
+def read_compressed_tensors(
+    directory: Path,
+) -> tuple[dict[str, torch.Tensor], dict[str, QuantParams], dict[str, InputQuant]]:
+    """Dequantized float state dict, weight params and input quantization of a
+    compressed-tensors checkpoint: pack-quantized, int-quantized or a mix of both."""
+    directory = Path(directory)
+    qc = quantization_config(directory) or {}
+    # Packed groups first (that reader passes every other tensor through untouched).
+    state, qparams = read_pack_quantized(directory)
+    input_quant: dict[str, InputQuant] = {}
+    names = [k.removesuffix(".weight_scale") for k in list(state) if k.endswith(".weight_scale")]
+    for name in names:
+        group, scheme = weight_scheme(name, qc, (INT_FORMAT, "naive-quantized"))
+        q = state[f"{name}.weight"]
+        scale = state.pop(f"{name}.weight_scale")
+        zp = state.pop(f"{name}.weight_zero_point", None)
+        zero = torch.zeros(scale.shape, dtype=torch.int32) if zp is None else zp.to(torch.int32)
+        p = QuantParams(scheme, scale.float(), zero, default_g_idx(q.shape[1], scheme))
+        state[f"{name}.weight"] = dequantize(q, p, scale.dtype)
+        qparams[name] = p
+        ia = group.get("input_activations")
+        input_scale = state.pop(f"{name}.input_scale", None)
+        state.pop(f"{name}.input_zero_point", None)
+        if ia:
+            if ia.get("type", "int") != "int" or not ia.get("symmetric", True):
+                raise OptcError(f"{name}: only symmetric int input activations are supported")
+            observer = ia.get("observer")
+            act = ActivationScheme(
+                bits=ia.get("num_bits", 8),
+                strategy=ia.get("strategy") or "tensor",
+                dynamic=bool(ia.get("dynamic", False)),
+                **({"observer": observer} if observer in _OBSERVERS else {}),
+            )
+            if not act.dynamic and input_scale is None:
+                raise OptcError(f"{name}: static input activations but no {name}.input_scale")
+            input_quant[name] = InputQuant(act, None if act.dynamic else input_scale.float().reshape(1))
+    return state, qparams, input_quant

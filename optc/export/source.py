@@ -1,0 +1,149 @@
+"""What format writers read: a model's tensors by state-dict name, its grids and its config.
+
+Writers take an :class:`ExportSource` instead of an ``nn.Module``, so the same writer serves a
+model in memory (:class:`ModelSource`) and one read from disk a tensor at a time (the streaming
+run). Everything a writer needs about modules is asked by name: which are Linears, which is the
+output head, which store their weight transposed (GPT-2's Conv1D).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from optc.errors import OptcError
+
+if TYPE_CHECKING:
+    import torch
+
+    from optc.compress.actquant import InputQuant
+    from optc.compress.quant import QuantParams, QuantScheme
+    from optc.model.safetensors_io import Entry
+
+
+class ExportSource(Protocol):
+    config: Any  # HF PretrainedConfig
+    tokenizer: Any | None
+    generation_config: Any | None
+    dtype: torch.dtype  # the model's dtype, recorded in config.json
+    head: str | None  # the output embedding module (lm_head), if any
+    qparams: Mapping[str, QuantParams]  # Linear module name -> grid
+    input_quant: Mapping[str, InputQuant]  # Linear module name -> activation quant (W8A8), may be empty
+    masks: Mapping[str, torch.Tensor]  # pruning masks, may be empty
+
+    def keys(self) -> list[str]:
+        """State-dict keys in order, tied aliases dropped (the keys a checkpoint stores)."""
+
+    def spec(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        """dtype and shape of any state-dict key (tied ones too), without loading it."""
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The tensor of any state-dict key; may be loaded from disk on demand."""
+
+    def entry(self, key: str) -> Entry:
+        """How to write ``key`` unchanged: the tensor in memory, else a byte range or a lazy load."""
+
+    def linears(self) -> list[str]:
+        """Names of the ``nn.Linear`` modules (subclasses too), in module order."""
+
+    def module_type(self, name: str) -> str | None:
+        """``"Linear"`` for an nn.Linear, else the module's class name; None when there is none."""
+
+    def conv1d(self, module: str) -> bool:
+        """Whether ``module`` is a GPT-2 Conv1D (weight stored ``[in, out]``)."""
+
+
+class ModelSource:
+    """An :class:`ExportSource` over a model in memory (``.model`` is it, for ``save_pretrained``)."""
+
+    def __init__(self, model: Any, tokenizer: Any | None = None, qparams: Mapping | None = None,
+                 input_quant: Mapping | None = None, masks: Mapping | None = None) -> None:
+        import torch
+
+        self.model = model
+        self.tokenizer = tokenizer
+        self.qparams = qparams if qparams is not None else {}
+        self.input_quant = input_quant if input_quant is not None else {}
+        self.masks = masks if masks is not None else {}
+        self.config = getattr(model, "config", None)
+        self.generation_config = getattr(model, "generation_config", None)
+        self.dtype = getattr(model, "dtype", None)
+        self._modules = dict(model.named_modules())
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.head = next((n for n, m in self._modules.items() if m is head), None) if head is not None else None
+        self._linear = {n for n, m in self._modules.items() if isinstance(m, torch.nn.Linear)}
+        self._state: dict | None = None
+
+    def _all(self) -> dict:
+        if self._state is None:
+            self._state = self.model.state_dict()
+        return self._state
+
+    def keys(self) -> list[str]:
+        from optc.model.safetensors_io import tied_keys
+
+        drop = tied_keys(self.model)
+        return [k for k in self._all() if k not in drop]
+
+    def _get(self, key: str):
+        state = self._all()
+        if key not in state:
+            raise OptcError(f"the model has no tensor {key}")
+        return state[key]
+
+    def spec(self, key: str):
+        t = self._get(key)
+        return t.dtype, tuple(t.shape)
+
+    def tensor(self, key: str):
+        return self._get(key)
+
+    def entry(self, key: str):
+        return self._get(key)
+
+    def linears(self) -> list[str]:
+        return [n for n in self._modules if n in self._linear]
+
+    def module_type(self, name: str) -> str | None:
+        if name in self._linear:
+            return "Linear"
+        module = self._modules.get(name)
+        return None if module is None else type(module).__name__
+
+    def conv1d(self, module: str) -> bool:
+        return type(self._modules.get(module)).__name__ == "Conv1D"
+
+
+def uniform_scheme(qparams: Mapping[str, QuantParams], fmt: str) -> QuantScheme:
+    """The one scheme of every module (formats holding one per checkpoint), or a refusal naming
+    the first module that differs."""
+    if not qparams:
+        raise OptcError(f"{fmt} export needs quantized weights; this model has none")
+    items = iter(qparams.items())
+    first_name, first = next(items)
+    for name, p in items:
+        if (p.scheme.bits, p.scheme.symmetric) != (first.scheme.bits, first.scheme.symmetric):
+            raise OptcError(
+                f"{fmt} holds one scheme per checkpoint, but {first_name} is {first.scheme.label()} "
+                f"and {name} is {p.scheme.label()} (mixed precision: export compressed-tensors)"
+            )
+    return first.scheme
+
+
+def check_linear(src: ExportSource, name: str, fmt: str) -> None:
+    """Refuse a module that is not an nn.Linear of ``src`` (GPTQ and AWQ store Linear weights only)."""
+    kind = src.module_type(name)
+    if kind != "Linear":
+        raise OptcError(f"{fmt} stores nn.Linear weights only; {name!r} is {kind or 'missing'}")
+
+
+def refuse_activations(src: ExportSource, fmt: str) -> None:
+    """Weight-only formats: a model that also quantizes activations would lose them silently."""
+    if src.input_quant:
+        raise OptcError(f"export format {fmt} stores weight-only quantization; this recipe also "
+                        "quantizes activations (use compressed-tensors)")
+
+
+def save_tokenizer(src: ExportSource, directory: Any) -> None:
+    if src.tokenizer is not None:
+        src.tokenizer.save_pretrained(directory)
