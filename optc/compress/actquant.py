@@ -22,12 +22,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from optc.calibrate.observers import (
-    OBSERVERS,
-    ActivationStats,
-    clipped_fraction,
-    threshold_for,
-)
 from optc.compress.schemes import ActivationScheme  # noqa: F401 - defined torch-free, re-exported
 
 _HOOK_ATTR = "_optc_input_quant"
@@ -111,58 +105,3 @@ def input_quant_of(model: nn.Module) -> dict[str, InputQuant]:
         for name, m in model.named_modules()
         if getattr(m, _HOOK_ATTR, None) is not None
     }
-
-
-# --------------------------------------------------------------------------------------------
-# Solving from calibration statistics, and measuring the result
-
-
-def solve_input_quant(scheme: ActivationScheme, stats: ActivationStats | None) -> InputQuant:
-    """The input quantization ``scheme`` prescribes, static scales chosen by its observer."""
-    if scheme.dynamic:
-        return InputQuant(scheme)
-    if stats is None:
-        raise ValueError("static activation scales need calibration statistics")
-    t = threshold_for(scheme.observer, stats, bits=scheme.bits, percentile=scheme.percentile)
-    return InputQuant(scheme, scale_from_threshold(t, scheme.bits))
-
-
-def observer_ranges(stats: ActivationStats, scheme: ActivationScheme) -> dict[str, float]:
-    """The threshold every observer would choose from the same statistics (for the report)."""
-    return {
-        name: round(threshold_for(name, stats, bits=scheme.bits, percentile=scheme.percentile), 6)
-        for name in OBSERVERS
-    }
-
-
-def _json_db(v: float) -> float | None:
-    # No error at all gives an infinite ratio, which strict JSON cannot hold.
-    return round(v, 3) if math.isfinite(v) else None
-
-
-def calibration_summary(
-    iq: InputQuant, stats: ActivationStats, w: torch.Tensor, w_hat: torch.Tensor
-) -> dict:
-    """How much one quantized Linear loses, measured on the calibration sample rows.
-
-    ``input_sqnr_db`` compares ``x`` with its fake-quantized self; ``output_sqnr_db``
-    compares ``x W^T`` with ``Q(x) Q(W)^T`` (weights and activations together).
-    """
-    x = stats.sampler.sample.float()
-    x_hat = quantize_input(x, iq)
-    w, w_hat = w.float().to(x.device), w_hat.float().to(x.device)
-    absmax = stats.absmax
-    out = {
-        "activations": iq.scheme.label(),
-        "absmax": round(absmax, 6),
-        "input_sqnr_db": _json_db(sqnr_db(x, x_hat)),
-        "output_sqnr_db": _json_db(sqnr_db(x @ w.T, x_hat @ w_hat.T)),
-    }
-    if iq.scale is not None:
-        t = float(iq.scale) * half_range(iq.scheme.bits)
-        out.update(
-            threshold=round(t, 6),
-            clip_ratio=round(t / absmax, 6) if absmax > 0 else 1.0,
-            clipped=clipped_fraction(stats.histogram.counts, stats.histogram.edges, t),
-        )
-    return out

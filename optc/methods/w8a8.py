@@ -59,7 +59,8 @@ class W8A8Stage(WeightQuantConfig):
 def run_w8a8(ws: Workspace, cfg: W8A8Stage) -> dict:
     from optc.calibrate.hessian import HessianAccumulator
     from optc.calibrate.observers import ActivationStats
-    from optc.compress.actquant import attach_input_quant, calibration_summary, observer_ranges, solve_input_quant
+    from optc.calibrate.observers import calibration_summary, observer_ranges, solve_input_quant
+    from optc.compress.actquant import attach_input_quant
     from optc.compress.quant import choose_qparams, fake_quantize
     from optc.methods.common import record_quantized, run_calibration
     from optc.methods.gptq import solve_gptq
