@@ -29,12 +29,20 @@ def write_dense(model: torch.nn.Module, tokenizer: Any, directory: Path, max_sha
 
 
 def _write(src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None, requantize: bool = False) -> dict:
-    model = getattr(src, "model", None)
-    if model is None:
-        raise NotImplementedError("dense export writes a model in memory (save_pretrained); this source has none")
     if src.input_quant:
         log.warning("dense format keeps the fake-quantized weights but not the activation scales")
-    write_dense(model, src.tokenizer, directory, "2GB" if max_shard_bytes is None else max_shard_bytes)
+    model = getattr(src, "model", None)
+    if model is not None and getattr(src, "stored", None) is None:
+        write_dense(model, src.tokenizer, directory, "2GB" if max_shard_bytes is None else max_shard_bytes)
+    else:  # the weights are on disk (a streamed run): written one tensor at a time
+        from optc.export.packing import write_weights
+
+        write_weights({k: src.entry(k) for k in src.keys()}, directory, max_shard_bytes or 2 * 1024**3)
+        src.config.save_pretrained(directory)
+        if src.generation_config is not None:
+            src.generation_config.save_pretrained(directory)
+        if src.tokenizer is not None:
+            src.tokenizer.save_pretrained(directory)
     return {"format": NAME, "bytes": directory_bytes(directory)}
 
 

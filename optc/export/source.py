@@ -53,14 +53,26 @@ class ExportSource(Protocol):
         """Whether ``module`` is a GPT-2 Conv1D (weight stored ``[in, out]``)."""
 
 
+class StoredTensors(Protocol):
+    """Tensors kept on disk for a model whose parameters are on the meta device (streaming)."""
+
+    def tensor(self, key: str, dtype: torch.dtype) -> torch.Tensor: ...
+    def entry(self, key: str, dtype: torch.dtype) -> Entry: ...
+
+
 class ModelSource:
-    """An :class:`ExportSource` over a model in memory (``.model`` is it, for ``save_pretrained``)."""
+    """An :class:`ExportSource` over a model (``.model`` is it, for ``save_pretrained``).
+
+    With ``stored``, the model's meta tensors (a streamed model holds none of its weights) are
+    read from there on demand, in the dtype the model declares."""
 
     def __init__(self, model: Any, tokenizer: Any | None = None, qparams: Mapping | None = None,
-                 input_quant: Mapping | None = None, masks: Mapping | None = None) -> None:
+                 input_quant: Mapping | None = None, masks: Mapping | None = None,
+                 stored: StoredTensors | None = None) -> None:
         import torch
 
         self.model = model
+        self.stored = stored
         self.tokenizer = tokenizer
         self.qparams = qparams if qparams is not None else {}
         self.input_quant = input_quant if input_quant is not None else {}
@@ -96,10 +108,12 @@ class ModelSource:
         return t.dtype, tuple(t.shape)
 
     def tensor(self, key: str):
-        return self._get(key)
+        t = self._get(key)
+        return self.stored.tensor(key, t.dtype) if t.is_meta and self.stored is not None else t
 
     def entry(self, key: str):
-        return self._get(key)
+        t = self._get(key)
+        return self.stored.entry(key, t.dtype) if t.is_meta and self.stored is not None else t
 
     def linears(self) -> list[str]:
         return [n for n in self._modules if n in self._linear]

@@ -25,11 +25,22 @@ from optc.export.checkpoint import check_free_space, check_output, directory_byt
 from optc.export.checkpoint import staged_output
 from optc.export.formats import check_schemes, get_format
 from optc.export.load import load_checkpoint as load_model
-from optc.export.source import ModelSource
+from optc.export.source import ExportSource, ModelSource
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
 from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.recipe import EvaluationConfig, Recipe
+from optc.run.streaming import (
+    baseline_perplexity,
+    keeping_progress,
+    layer_rows,
+    open_store,
+    open_streamed,
+    streamed_eval,
+    streamed_source,
+    evaluate_streaming,
+    wants_streaming,
+)
 from optc.methods.recover_training import check_recoverable, restore_base, write_adapter
 from optc.methods import METHODS, Workspace, declared_schemes
 from optc.methods import planned_schemes as _planned_schemes
@@ -102,24 +113,25 @@ def _run_recipe(
     gates: list[str] | None = None,
     resume: bool = False,
 ) -> dict:
-    from optc.run.streaming import baseline_perplexity, keeping_progress, open_store, run_streaming, wants_streaming
-
     progress = progress or NullProgress()
     gate_list = _recipe_gates(recipe, gates, output)  # parsed before any work
     t_start = time.perf_counter()
     if output is not None:
         check_output(output, overwrite)
         check_recipe_export(recipe)  # an impossible export is refused before any calibration
-    if wants_streaming(recipe):
-        return run_streaming(recipe, output, overwrite=overwrite, device=device, trust_remote_code=trust_remote_code,
-                             progress=progress, gate_list=gate_list, resume=resume)
+    streaming = wants_streaming(recipe)
     torch.manual_seed(recipe.calibration.seed)
     if recipe.evaluation is not None:
         check_disjoint(recipe.calibration.dataset, recipe.evaluation.dataset)
-    loaded = load_model(recipe.model, recipe.dtype, trust_remote_code)
+    # The source: the model in memory, or (streaming) on the meta device over the input's shards.
+    reader = None
+    if streaming:
+        loaded, reader = open_streamed(recipe, trust_remote_code)
+    else:
+        loaded = load_model(recipe.model, recipe.dtype, trust_remote_code)
     if output is not None and loaded.path is not None:
         check_output(output, overwrite, protect=loaded.path)
-    if output is not None and is_main_process():  # no hours of calibration for a checkpoint that cannot fit
+    if output is not None and is_main_process() and not streaming:  # no hours of calibration for a checkpoint that cannot fit
         check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe),
                                                            recipe.export.format))
     report = new_report(loaded.source, recipe.model_dump(mode="json"))
@@ -136,27 +148,28 @@ def _run_recipe(
         report["recipe"] = recipe.model_dump(mode="json")  # with the teacher it resolved
     ws = Workspace(model, loaded.tokenizer, recipe.calibration, device, progress,
                    qparams=dict(loaded.qparams), masks=dict(loaded.masks), nm=loaded.nm, teacher=teacher)
-    ws.store = open_store(recipe, output, loaded.path, device, resume, ws.qparams)
+    ws.store = open_store(recipe, output, loaded.path, device, resume, ws.qparams, reader)
+    cfg = recipe.evaluation
     tokens = None
-    if recipe.evaluation is not None and is_main_process():
-        tokens = evaluation_token_cache(loaded.tokenizer, recipe.evaluation.dataset)
-        if recipe.evaluation.baseline:
+    if cfg is not None and is_main_process():
+        tokens = evaluation_token_cache(loaded.tokenizer, cfg.dataset)
+        if cfg.baseline:
             # Recovering a compressed checkpoint: its teacher is the uncompressed baseline.
             base_model = teacher if report["baseline"] is not None else model
-            report["metrics"]["perplexity_baseline"] = baseline_perplexity(
-                ws.store, recipe.evaluation, lambda: _evaluate(base_model, tokens, recipe.evaluation, progress))
-    if recipe.evaluation is not None:
-        ws.evaluate = lambda m: _evaluate(m, tokens, recipe.evaluation, progress)
+            measure = ((lambda: streamed_eval(model, reader, tokens, cfg, progress)) if streaming
+                       else (lambda: _evaluate(base_model, tokens, cfg, progress)))
+            report["metrics"]["perplexity_baseline"] = baseline_perplexity(ws.store, cfg, measure)
+    if cfg is not None and not streaming:
+        ws.evaluate = lambda m: _evaluate(m, tokens, cfg, progress)
     if output is not None:
         ws.state_dir = output.expanduser().parent / f".{output.name}.recover-state"
-    with keeping_progress(ws.store):
+    with keeping_progress(ws.store, resumable=output is not None or not streaming):
         for i, stage in enumerate(recipe.stages):
-            fn = METHODS[stage.type].run
             if ws.store is not None:
                 ws.store.begin_stage(i, stage.type)
             t0 = time.perf_counter()
-            log.info("stage %d: %s", i, stage.type)
-            stats = fn(ws, stage)
+            log.info("stage %d: %s%s", i, stage.type, " (streaming)" if streaming else "")
+            stats = METHODS[stage.type].run(ws, stage)
             if "perplexity_before" in stats:
                 report["metrics"]["perplexity_before_recovery"] = stats.pop("perplexity_before")
             report["stages"].append(
@@ -169,20 +182,30 @@ def _run_recipe(
             )
         if not is_main_process():
             return report  # distributed: rank 0 evaluates and writes
-        report["metrics"].update(count_parameters(model))
-        if recipe.evaluation is not None:
-            report["metrics"]["perplexity_compressed"] = _evaluate(model, tokens, recipe.evaluation, progress)
-        _add_eval_details(report, model)
+        # The sink: the format writer reads the model in memory, or the finished layers on disk.
+        rows, counts = layer_rows(ws.store, report["stages"]) if streaming else (None, None)
+        if streaming:
+            src = streamed_source(loaded, reader, ws.store)
+            report["metrics"].update(parameters=counts[0], nonzero=counts[1])
+        else:
+            src = ModelSource(ws.model, ws.tokenizer, ws.qparams, input_quant_of(ws.model), ws.masks)
+            report["metrics"].update(count_parameters(model))
+        if cfg is not None:
+            report["metrics"]["perplexity_compressed"] = (
+                streamed_eval(model, src.stored, tokens, cfg, progress) if streaming
+                else _evaluate(model, tokens, cfg, progress))
+        _add_eval_details(report, model, layers=rows)
 
         if output is not None:
-            check_free_space(output, estimate_checkpoint_bytes(model, {n: p.scheme for n, p in ws.qparams.items()},
-                                                               recipe.export.format))
+            if not streaming:
+                check_free_space(output, estimate_checkpoint_bytes(model, {n: p.scheme for n, p in ws.qparams.items()},
+                                                                   recipe.export.format))
             trim()  # calibration's freed fragments, before export allocates the packed tensors
             with staged_output(output, overwrite, protect=loaded.path) as tmp:
                 if ws.adapter is not None:
                     restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
                     ws.adapter.base_model = str(output)
-                fmt = export_checkpoint(ws, recipe.export.format, tmp, recipe.export.max_shard_size)
+                fmt = export_checkpoint(src, recipe.export.format, tmp, recipe.export.max_shard_size)
                 adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
                 if ws.masks and recipe.export.sparsity_metadata and get_format(recipe.export.format).sparsity_metadata:
                     write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
@@ -190,7 +213,7 @@ def _run_recipe(
                 report["checkpoint"] = {"path": str(output), "format": fmt, "bytes": directory_bytes(tmp)}
                 if adapter_files:
                     report["checkpoint"]["adapter"] = adapter_files
-                report["metrics"]["size"] = size_metrics(ws.model, tmp)
+                report["metrics"]["size"] = size_metrics(model, tmp, counts=counts)
                 report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
                 write_report(report, tmp)
         else:
@@ -273,15 +296,15 @@ def _add_eval_details(report: dict, model: torch.nn.Module, layers: list[dict] |
     report["layers"] = layers if layers is not None else layer_statistics(model, *stage_layer_info(report["stages"]))
 
 
-def export_checkpoint(ws: Workspace, fmt: str, directory: Path, max_shard_size: str) -> str:
-    """Write the workspace's model in ``fmt``; returns the format name written."""
+def export_checkpoint(src: ExportSource, fmt: str, directory: Path, max_shard_size: str) -> str:
+    """Write ``src`` (the model in memory, or a streamed run's layers on disk) in ``fmt``;
+    returns the format name written."""
     target = get_format(fmt)
-    if target.needs_quantized and not ws.qparams:
+    if target.needs_quantized and not src.qparams:
         raise OptcError(
             f"export format {fmt} needs quantized weights; this recipe quantizes "
             "nothing (use format: dense)"
         )
-    src = ModelSource(ws.model, ws.tokenizer, ws.qparams, input_quant_of(ws.model), ws.masks)
     return target.write(src, directory, max_shard_bytes=parse_size(max_shard_size))["format"]
 
 
@@ -335,8 +358,6 @@ def evaluate_model(
         check_output(output, overwrite)
     report = new_report(source or "smollm2-135m", command="eval")
     if streaming:
-        from optc.run.streaming import evaluate_streaming
-
         report["baseline"] = baseline
         evaluate_streaming(source, baseline, opts, report, progress)
         if output is not None:

@@ -55,7 +55,7 @@ from optc.model.lazy import (
 from optc.compress.quant import QuantParams, QuantScheme
 from optc.errors import OptcError
 from optc.methods import METHODS
-from optc.model.safetensors_io import file_slices, write_file
+from optc.model.safetensors_io import FileSlice, file_slices, write_file
 
 log = logging.getLogger(__name__)
 
@@ -242,7 +242,7 @@ class LayerStore:
         if not self.streaming:
             with torch.no_grad():
                 layer.load_state_dict(self._read(_layer_file("layer", i)), strict=True)
-            self._restore_qparams(i, rec)
+            self._restore_qparams(i)
         if records is not None:
             records.update(rec["records"])
         return dict(rec["stats"])
@@ -311,39 +311,36 @@ class LayerStore:
     # --- streaming --------------------------------------------------------------------------
 
     def _write_part(self, i: int, name: str, layer: nn.Module, mine: list[str], staged: list[Path]) -> dict:
-        """The layer's checkpoint tensors (pack-quantized Linears, float rest), in state-dict order."""
-        from optc.export.ct_pack import _target_group_sizes, pack_linear
-
-        qp = {m: self.qparams[m] for m in mine}
-        targets = _target_group_sizes(qp, "per_layer")
-        modules = dict(layer.named_modules())
-        tensors: dict[str, torch.Tensor] = {}
-        keys: dict[str, list] = {}
-        for key, t in layer.state_dict().items():
-            mod, _, leaf = key.rpartition(".")
-            full = f"{name}.{mod}"
-            if leaf == "weight" and full in qp:
-                packed, gkey = pack_linear(full, modules[mod], qp[full], targets[full])
-                tensors.update({f"{full}.{k}": v for k, v in packed.items()})
-                keys[full] = list(gkey)
-            else:
-                tensors[f"{name}.{key}"] = t
+        """The finished layer's tensors as they are in memory (its Linears fake-quantized on their
+        grids) and those grids: what the format writer and the evaluation read back later."""
+        tensors = {f"{name}.{k}": t for k, t in layer.state_dict().items()}
         staged.append(self._stage(_layer_file("part", i), tensors, {"format": "pt"}))
+        schemes = self._save_qparams(i, mine, staged)
         numel, nonzero = tensor_counts(layer)
-        linears = linear_summary(layer, name)
-        groups = {m: keys[m] for m in mine}  # config groups list modules in solving order
-        for m in mine:  # written: nothing later needs the scales, and they add up over a big model
+        for m in mine:  # on disk now: the grids of a big model add up
             del self.qparams[m]
-        return {"keys": list(tensors), "groups": groups, "numel": numel, "nonzero": nonzero, "linears": linears}
+        return {"keys": list(tensors), "qparams": schemes, "numel": numel, "nonzero": nonzero,
+                "linears": linear_summary(layer, name)}
 
-    def part_entries(self) -> dict[str, dict]:
-        """Tensor name -> :class:`FileSlice` of every compressed layer, per layer name."""
+    def part_slices(self) -> dict[str, FileSlice]:
+        """Tensor name -> where its bytes are, for every finished layer of a streamed run."""
         self.flush()
-        out = {}
+        out: dict[str, FileSlice] = {}
         for i, rec in enumerate(self.layers):
             slices = file_slices(self.directory / _layer_file("part", i))
-            out[rec["layer"]] = {k: slices[k] for k in rec["keys"]}
+            out.update({k: slices[k] for k in rec["keys"]})
         return out
+
+    def layer_qparams(self, i: int) -> dict[str, QuantParams]:
+        """The grids a finished layer of a streamed run saved, in solving order."""
+        self.flush()
+        rec = self.layers[i]
+        schemes = rec.get("qparams") or {}
+        if not schemes:
+            return {}
+        saved = self._read(_layer_file("qparams", i))
+        return {m: QuantParams(QuantScheme(**s), saved[f"{m}.scale"], saved[f"{m}.zero"], saved[f"{m}.g_idx"])
+                for m, s in schemes.items()}
 
     # --- files ------------------------------------------------------------------------------
 
@@ -377,14 +374,8 @@ class LayerStore:
             staged.append(self._stage(_layer_file("qparams", i), tensors))
         return schemes
 
-    def _restore_qparams(self, i: int, rec: dict) -> None:
-        schemes = rec.get("qparams") or {}
-        if not schemes:
-            return
-        saved = self._read(_layer_file("qparams", i))
-        for m, scheme in schemes.items():
-            self.qparams[m] = QuantParams(QuantScheme(**scheme), saved[f"{m}.scale"],
-                                          saved[f"{m}.zero"], saved[f"{m}.g_idx"])
+    def _restore_qparams(self, i: int) -> None:
+        self.qparams.update(self.layer_qparams(i))
 
     def _write_json(self, path: Path, data: dict) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)

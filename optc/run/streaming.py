@@ -1,15 +1,17 @@
-"""Running a recipe on a model larger than memory, and the resume state every run keeps.
+"""The streaming source and sink of the run (models larger than memory), and the resume state
+every run keeps.
 
-Streaming (``calibration.streaming``): the model is built on the meta device (no weights), the
-quantization stage runs layer by layer with each decoder layer read from the input's
-safetensors shards only while it is calibrated (:class:`optc.run.state.LayerStore`),
-and each compressed layer goes to disk at once. The checkpoint is then assembled from those
-parts and the input's other tensors one tensor at a time (:mod:`optc.model.safetensors_io`),
-and both models are evaluated layer-major (:mod:`optc.evaluate.streaming`). The checkpoint is
-byte for byte the one the in-memory path writes.
+Streaming (``calibration.streaming``) runs the same sequence as an in-memory run
+(:func:`optc.run.pipeline.run_recipe`) with another source and sink: the model is built on the
+meta device (:func:`open_streamed`), the stage runs layer by layer with each decoder layer read
+from the input's safetensors shards only while it is calibrated and written to disk as soon as
+it is done (:class:`optc.run.state.LayerStore`), both models are evaluated layer-major
+(:func:`streamed_eval`, :mod:`optc.evaluate.streaming`), and the export format's writer reads
+the finished layers back one tensor at a time (:func:`streamed_source`). Any format that writes
+from an :class:`~optc.export.source.ExportSource` streams; the checkpoint is byte for byte the
+one the in-memory run writes.
 
-Supported: one ``rtn``, ``gptq`` or ``awq`` stage, exported as compressed-tensors
-``pack-quantized``; other recipes run in memory.
+Supported: one stage of a method that streams (``Method.streams``); other recipes run in memory.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,22 +29,20 @@ import torch
 import optc
 from optc.calibrate import distributed
 from optc.run.state import LayerStore, state_dir_for
-from optc.model.anatomy import find_decoder_layers
-from optc.model.lazy import CheckpointSource, local_model_dir, meta_model
-from optc.data import check_disjoint
+from optc.compress.quant import QuantParams
+from optc.export.source import ModelSource
+from optc.model.lazy import CheckpointSource, local_model_dir, meta_model, read_slice
+from optc.model.load import LoadedModel
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.perplexity import evaluation_token_cache
-from optc.evaluate.report import new_report, stage_layer_info, write_report
+from optc.evaluate.report import stage_layer_info
 from optc.evaluate.streaming import streamed_perplexity
-from optc.export.checkpoint import check_output, directory_bytes, staged_output
-from optc.export.ct_pack import write_pack_quantized_config
-from optc.model.safetensors_io import model_state_dict
-from optc.model.safetensors_io import Lazy, write_sharded
+from optc.model.safetensors_io import Lazy
 from optc.memory import limit_fragmentation
 from optc.model.load import DEFAULT_MODEL, DTYPES
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
-from optc.methods import METHODS, Workspace
+from optc.methods import METHODS
 
 if TYPE_CHECKING:
     from optc.evaluate.suite import EvalOptions
@@ -61,9 +60,6 @@ def streaming_problem(recipe: Recipe) -> str | None:
     if len(types) != 1 or types[0] not in streams:
         return (f"streaming runs exactly one {', '.join(streams)} stage; this recipe has "
                 f"{' -> '.join(types) or 'no stages'} (run it without streaming)")
-    if recipe.export.format != "compressed-tensors":
-        return (f"streaming writes compressed-tensors (pack-quantized), not {recipe.export.format}; "
-                "convert the result with optc export")
     return None
 
 
@@ -217,47 +213,15 @@ def _tokenizer(model_dir: Path, trust_remote_code: bool):
     return tokenizer
 
 
-def _streamed_eval(model: torch.nn.Module, source: CheckpointSource, tokens: torch.Tensor, cfg: EvaluationConfig,
+def streamed_eval(model: torch.nn.Module, source: CheckpointSource, tokens: torch.Tensor, cfg: EvaluationConfig,
                    progress: Progress, stats: dict | None = None) -> dict:
     return streamed_perplexity(model, source, tokens, cfg.seqlen, cfg.windows, cfg.stride, cfg.batch_size,
                                progress, stats=stats).to_dict()
 
 
-def assemble_checkpoint(model: torch.nn.Module, source: CheckpointSource, store: LayerStore,
-                        directory: Path, max_shard_bytes: int) -> list[Path]:
-    """The pack-quantized checkpoint from the compressed layers on disk and the input's other
-    tensors, in the in-memory writer's order, shard plan and bytes, one tensor at a time."""
-    prefix, _ = find_decoder_layers(model)
-    parts = store.part_entries()
-    entries: dict = {}
-    for key, t in model_state_dict(model).items():
-        if key.startswith(prefix + "."):
-            layer = f"{prefix}.{key[len(prefix) + 1:].split('.')[0]}"
-            entries.update(parts.pop(layer, {}))
-            continue
-        if key in source.files:
-            dtype, shape = source.spec(key)
-            if dtype == t.dtype:
-                entries[key] = source.slice(key)  # copied as stored, never loaded
-            else:
-                entries[key] = Lazy(lambda k=key, d=t.dtype: source.tensors([k])[k].to(d), t.dtype, shape)
-        elif not t.is_meta:
-            entries[key] = t  # a buffer the model computes itself
-        else:
-            raise OptcError(f"{source.directory} lacks tensor {key}")
-    groups: dict[tuple, list[str]] = {}
-    for rec in store.layers:
-        for name, gkey in rec["groups"].items():
-            groups.setdefault(tuple(gkey), []).append(name)
-    if not groups:
-        raise OptcError("no quantized modules to export as pack-quantized")
-    files = write_sharded(entries, directory, max_shard_bytes)
-    write_pack_quantized_config(model, groups, directory)
-    return files
-
-
-def _layer_rows(store: LayerStore, stages: list[dict]) -> tuple[list[dict], tuple[int, int, int, int]]:
-    """Per-Linear report rows and (parameters, non-zeros, Linear weights, their zeros)."""
+def layer_rows(store: LayerStore, stages: list[dict]) -> tuple[list[dict], tuple[int, int, int, int]]:
+    """Per-Linear report rows and (parameters, non-zeros, Linear weights, their zeros) of a
+    streamed run, from the layer store's records (the weights are not in memory)."""
     schemes, errors = stage_layer_info(stages)
     rows, numel, nonzero, lin_numel, lin_zeros = [], 0, 0, 0, 0
     outer = store.outer_counts or (0, 0)
@@ -273,90 +237,78 @@ def _layer_rows(store: LayerStore, stages: list[dict]) -> tuple[list[dict], tupl
     return rows, (numel, nonzero, lin_numel, lin_zeros)
 
 
-def run_streaming(
-    recipe: Recipe,
-    output: Path | None,
-    *,
-    overwrite: bool = False,
-    device: str = "cpu",
-    trust_remote_code: bool = False,
-    progress: Progress | None = None,
-    gate_list: list | None = None,
-    resume: bool = False,
-) -> dict:
-    """:func:`optc.run.pipeline.run_recipe` for a model read one layer at a time."""
-    from optc.evaluate.gates import check_gates
-    from optc.evaluate.size import size_metrics
-    from optc.run.pipeline import _add_eval_details, _stage_summary, parse_size
-
-    progress = progress or NullProgress()
-    problem = streaming_problem(recipe)
-    if problem:
-        raise OptcError(f"calibration.streaming: {problem}")
+def open_streamed(recipe: Recipe, trust_remote_code: bool) -> tuple[LoadedModel, CheckpointSource]:
+    """The run's source when streaming: the model on the meta device and the input's tensors,
+    read layer by layer as the stages reach them."""
     limit_fragmentation()
-    t_start = time.perf_counter()
-    torch.manual_seed(recipe.calibration.seed)
-    if recipe.evaluation is not None:
-        check_disjoint(recipe.calibration.dataset, recipe.evaluation.dataset)
     model_dir = local_model_dir(recipe.model)
-    if output is not None:
-        check_output(output, overwrite, protect=model_dir)
-    source = checkpoint_reader(model_dir)
-    if source.qc is not None:
+    reader = checkpoint_reader(model_dir)
+    if reader.qc is not None:
         raise OptcError(f"streaming compresses a float checkpoint; {model_dir} is already quantized")
     model = meta_model(model_dir, DTYPES[recipe.dtype], trust_remote_code)
-    tokenizer = _tokenizer(model_dir, trust_remote_code)
-    report = new_report(recipe.model or DEFAULT_MODEL, recipe.model_dump(mode="json"))
-    report["timings"]["load"] = round(time.perf_counter() - t_start, 3)
-    ws = Workspace(model, tokenizer, recipe.calibration, device, progress)
-    store = open_store(recipe, output, model_dir, device, resume, ws.qparams, source)
-    ws.store = store
-    with keeping_progress(store, resumable=output is not None):
-        tokens = None
-        if recipe.evaluation is not None:
-            tokens = evaluation_token_cache(tokenizer, recipe.evaluation.dataset)
-            if recipe.evaluation.baseline:
-                report["metrics"]["perplexity_baseline"] = baseline_perplexity(
-                    store, recipe.evaluation, lambda: _streamed_eval(model, source, tokens, recipe.evaluation, progress))
-        stage = recipe.stages[0]
-        fn = METHODS[stage.type].run
-        store.begin_stage(0, stage.type)
-        t0 = time.perf_counter()
-        log.info("stage 0: %s (streaming)", stage.type)
-        stats = fn(ws, stage)
-        report["stages"].append({"type": stage.type, "seconds": round(time.perf_counter() - t0, 2),
-                                 "summary": _stage_summary(stats), "stats": stats})
-        rows, counts = _layer_rows(store, report["stages"])
-        report["metrics"].update(parameters=counts[0], nonzero=counts[1])
-        with _checkpoint_dir(output, overwrite, model_dir) as tmp:
-            files = assemble_checkpoint(model, source, store, tmp, parse_size(recipe.export.max_shard_size))
-            tokenizer.save_pretrained(tmp)
-            (tmp / "recipe.yaml").write_text(recipe.to_yaml())
-            if recipe.evaluation is not None:
-                report["metrics"]["perplexity_compressed"] = _streamed_eval(
-                    model, checkpoint_reader(tmp), tokens, recipe.evaluation, progress)
-            _add_eval_details(report, model, layers=rows)
-            if output is not None:
-                report["checkpoint"] = {"path": str(output), "format": "compressed-tensors/pack-quantized",
-                                        "bytes": directory_bytes(tmp)}
-                report["metrics"]["size"] = size_metrics(model, tmp, counts=counts)
-            report["gates"] = [g.to_dict() for g in check_gates(gate_list or [], report)]
-            if output is not None:
-                write_report(report, tmp)
-            log.info("wrote %d weight file(s)", len(files))
-    store.remove()
-    return report
+    loaded = LoadedModel(model, _tokenizer(model_dir, trust_remote_code), recipe.model or DEFAULT_MODEL, model_dir)
+    return loaded, reader
 
 
-@contextmanager
-def _checkpoint_dir(output: Path | None, overwrite: bool, protect: Path) -> Iterator[Path]:
-    """The staged output directory, or a throwaway one when the run writes nothing."""
-    if output is not None:
-        with staged_output(output, overwrite, protect=protect) as tmp:
-            yield tmp
-    else:
-        with tempfile.TemporaryDirectory(prefix="optc-stream-out-") as tmp:
-            yield Path(tmp)
+class StreamedTensors:
+    """The streamed run's tensors on disk: finished decoder layers from the layer store's parts
+    (as they were in memory, fake-quantized), every other tensor from the input checkpoint.
+
+    What the format writer reads (:class:`optc.export.source.StoredTensors`) and what the
+    layer-major evaluation of the compressed model reads (``tensors``)."""
+
+    def __init__(self, reader: CheckpointSource, store: LayerStore) -> None:
+        self.reader, self.directory = reader, store.directory
+        self.parts = store.part_slices()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.parts or key in self.reader
+
+    def tensors(self, keys) -> dict[str, torch.Tensor]:
+        keys = list(keys)
+        out = {k: read_slice(self.parts[k], k) for k in keys if k in self.parts}
+        out.update(self.reader.tensors(k for k in keys if k not in self.parts))
+        return {k: out[k] for k in keys}
+
+    def tensor(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        return self.tensors([key])[key].to(dtype)
+
+    def entry(self, key: str, dtype: torch.dtype):
+        if key in self.parts:
+            return self.parts[key]
+        if key not in self.reader.files:
+            raise OptcError(f"{self.reader.directory} lacks tensor {key}")
+        if self.reader.spec(key)[0] == dtype:
+            return self.reader.slice(key)  # copied as stored, never loaded
+        return Lazy(lambda: self.tensor(key, dtype), dtype, self.reader.spec(key)[1])
+
+
+class StoredGrids(Mapping):
+    """The grids of a streamed run's finished layers, read back from the layer store one layer
+    at a time (in solving order, as the in-memory run holds them)."""
+
+    def __init__(self, store: LayerStore) -> None:
+        self._store = store
+        self._layer = {m: i for i, rec in enumerate(store.layers) for m in rec.get("qparams") or {}}
+        self._cache: tuple[int, dict] = (-1, {})
+
+    def __getitem__(self, name: str) -> QuantParams:
+        i = self._layer[name]
+        if self._cache[0] != i:
+            self._cache = (i, self._store.layer_qparams(i))
+        return self._cache[1][name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layer)
+
+    def __len__(self) -> int:
+        return len(self._layer)
+
+
+def streamed_source(loaded: LoadedModel, reader: CheckpointSource, store: LayerStore) -> ModelSource:
+    """What the format writer reads after a streamed run: the meta model's structure with its
+    tensors and grids on disk."""
+    return ModelSource(loaded.model, loaded.tokenizer, StoredGrids(store), stored=StreamedTensors(reader, store))
 
 
 def _schemes_of(source: CheckpointSource) -> dict[str, str]:
