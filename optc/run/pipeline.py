@@ -31,8 +31,7 @@ from optc.model.load import load_model
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
 from optc.methods.recover_training import check_recoverable, restore_base, write_adapter
-from optc.methods import METHODS, Workspace, declared_schemes
-from optc.methods import planned_schemes as _planned_schemes
+from optc.methods import METHODS, Workspace, declared_schemes, planned_schemes
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +119,7 @@ def _run_recipe(
     if output is not None and loaded.path is not None:
         check_output(output, overwrite, protect=loaded.path)
     if output is not None and is_main_process():  # no hours of calibration for a checkpoint that cannot fit
-        check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe),
+        check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe.stages),
                                                            recipe.export.format))
     report = new_report(loaded.source, recipe.model_dump(mode="json"))
     report["timings"]["load"] = round(time.perf_counter() - t_start, 3)
@@ -242,12 +241,6 @@ def source_model(path: Path | None) -> str | None:
     teachers = [s.get("teacher") for s in data.get("stages") or [] if isinstance(s, dict) and s.get("type") == "recover"]
     name = next((t for t in teachers if t), None) or data.get("model")
     return name if isinstance(name, str) and name else None
-
-
-def planned_schemes(model: torch.nn.Module, recipe: Recipe) -> dict:
-    """Linear name -> weight scheme the recipe's quantization stages will give it (the last
-    stage touching a Linear wins), for estimating the checkpoint before any work."""
-    return _planned_schemes(model, recipe.stages)
 
 
 def _check_export(recipe: Recipe) -> None:
