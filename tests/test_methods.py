@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from optc.cli.main import app
 from optc.errors import OptcError
 from optc.methods import METHODS, Method, declared_schemes, methods_of_kind, planned_schemes, register, unregister
-from optc.methods.base import StageConfig
+from optc.methods.base import LinearsConfig
 from optc.recipe import load_recipe, parse_recipe
 from optc.testing import tiny_model
 
@@ -68,7 +68,7 @@ def test_builtin_methods_say_what_they_are() -> None:
 
 
 def test_registration_is_checked() -> None:
-    class NoForbid(StageConfig):
+    class NoForbid(LinearsConfig):
         model_config = ConfigDict(extra="ignore")
         type: Literal["loose"]
 
@@ -81,7 +81,7 @@ def test_registration_is_checked() -> None:
     assert "loose" not in METHODS and "odd" not in METHODS
 
 
-class NoopStage(StageConfig):
+class NoopStage(LinearsConfig):
     """A throwaway method registered by the test, after optc.recipe was imported."""
 
     type: Literal["noop"]

@@ -346,7 +346,8 @@ def prune(
     with --recipe the flags override its first prune stage that takes them."""
     known = _prune_methods()
     if method is not None and method not in known:
-        raise OptcError(f"unknown pruning method {method!r} (expected {', '.join(known[:-1])} or {known[-1]})")
+        expected = f"{', '.join(known[:-1])} or {known[-1]}" if len(known) > 1 else ", ".join(known)
+        raise OptcError(f"unknown pruning method {method!r} (expected {expected})")
     overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
     parts = _parse_structured(structured) if structured is not None else None
     stages = None

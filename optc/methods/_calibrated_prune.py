@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optc.compress.schemes import parse_pattern
-from optc.methods.base import StageConfig
+from optc.methods.base import LinearsConfig
 from optc.model.patterns import check_patterns
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ class LayerSparsity(BaseModel):
         return v
 
 
-class CalibratedPruneConfig(StageConfig):
+class CalibratedPruneConfig(LinearsConfig):
     sparsity: float = Field(0.5, ge=0, lt=1, description="unstructured sparsity of each Linear")
     pattern: str | None = Field(None, description="N:M along the input dimension, e.g. 2:4; overrides sparsity")
     allocation: Literal["uniform", "owl"] = Field(

@@ -14,7 +14,7 @@ from optc.model.patterns import check_patterns
 PlannedScheme = tuple[str, QuantScheme | None, bool]
 
 
-class StageConfig(BaseModel):
+class LinearsConfig(BaseModel):
     """A stage acting on the Linears its ``targets`` select (and ``ignore`` does not)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -46,7 +46,7 @@ class Override(BaseModel):
         return v
 
 
-class WeightQuantConfig(StageConfig):
+class WeightQuantConfig(LinearsConfig):
     """A stage quantizing weights: one scheme, mixed precision by ``overrides``. Every method
     of kind ``quantize`` has such a config, so the size estimate and the export-format check
     read ``scheme_for`` / ``planned_schemes`` whatever the method."""

@@ -14,7 +14,7 @@ import torch
 from optc.calibrate.sequential import LayerStep, run_sequential
 from optc.calibrate.stats import Discard
 from optc.compress.masks import nm_violations
-from optc.methods.base import StageConfig
+from optc.methods.base import LinearsConfig
 from optc.methods.workspace import Workspace
 from optc.model.anatomy import find_decoder_layers, set_weight_2d, weight_2d
 
@@ -32,7 +32,7 @@ def record_quantized(ws: Workspace, name: str, module: torch.nn.Module, w_hat, p
     return {"scheme": p.scheme.label(), "rel_error": round(err, 6)}
 
 
-def run_calibration(ws: Workspace, cfg: StageConfig, solve, description: str, records: dict | None = None) -> list[dict]:
+def run_calibration(ws: Workspace, cfg: LinearsConfig, solve, description: str, records: dict | None = None) -> list[dict]:
     """Layer by layer over the calibration samples, ``solve`` called on each layer's step."""
     return run_sequential(
         ws.model, ws.calibration_ids(), solve,

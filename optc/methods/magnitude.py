@@ -7,14 +7,14 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field, field_validator
 
 from optc.compress.schemes import parse_pattern
-from optc.methods.base import StageConfig
+from optc.methods.base import LinearsConfig
 from optc.methods.registry import Method, register
 
 if TYPE_CHECKING:
     from optc.methods.workspace import Workspace
 
 
-class MagnitudeStage(StageConfig):
+class MagnitudeStage(LinearsConfig):
     """Prune the smallest |W|: unstructured at ``sparsity`` or an N:M ``pattern``."""
 
     type: Literal["magnitude"]

@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from optc.methods.base import StageConfig
+from optc.methods.base import LinearsConfig
 from optc.methods.registry import Method, register
 
 if TYPE_CHECKING:
     from optc.methods.workspace import Workspace
 
 
-class RecoverStage(StageConfig):
+class RecoverStage(LinearsConfig):
     """LoRA fine-tuning of the compressed model (Hu et al. 2021) with next-token
     cross-entropy, distillation from the uncompressed model (Hinton et al. 2015), or a mix;
     pruning masks and quantization grids are kept (see optc.methods.recover_training)."""

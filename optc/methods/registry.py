@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from optc.methods.workspace import Workspace
 
 Kind = Literal["quantize", "prune", "transform", "recover"]
-KINDS: tuple[str, ...] = ("quantize", "prune", "transform", "recover")
+KINDS: tuple[str, ...] = get_args(Kind)
 
 
 @dataclass(frozen=True)

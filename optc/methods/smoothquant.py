@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from optc.methods.base import StageConfig
+from optc.methods.base import LinearsConfig
 from optc.methods.registry import Method, register
 
 if TYPE_CHECKING:
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from optc.methods.workspace import Workspace
 
 
-class SmoothQuantStage(StageConfig):
+class SmoothQuantStage(LinearsConfig):
     """SmoothQuant (Xiao et al. 2022): migrate activation outliers into the weights, folded
     into the preceding norm so the float model is unchanged."""
 

@@ -42,8 +42,7 @@ from optc.run.streaming import (
     wants_streaming,
 )
 from optc.methods.recover_training import check_recoverable, restore_base, write_adapter
-from optc.methods import METHODS, Workspace, declared_schemes
-from optc.methods import planned_schemes as _planned_schemes
+from optc.methods import METHODS, Workspace, declared_schemes, planned_schemes
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +131,7 @@ def _run_recipe(
     if output is not None and loaded.path is not None:
         check_output(output, overwrite, protect=loaded.path)
     if output is not None and is_main_process() and not streaming:  # no hours of calibration for a checkpoint that cannot fit
-        check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe),
+        check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe.stages),
                                                            recipe.export.format))
     report = new_report(loaded.source, recipe.model_dump(mode="json"))
     report["timings"]["load"] = round(time.perf_counter() - t_start, 3)
@@ -267,10 +266,6 @@ def source_model(path: Path | None) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
-def planned_schemes(model: torch.nn.Module, recipe: Recipe) -> dict:
-    """Linear name -> weight scheme the recipe's quantization stages will give it (the last
-    stage touching a Linear wins), for estimating the checkpoint before any work."""
-    return _planned_schemes(model, recipe.stages)
 
 
 def _recipe_gates(recipe: Recipe, extra: list[str] | None, output: Path | None) -> list:
