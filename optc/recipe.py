@@ -12,6 +12,7 @@ from pydantic_core import PydanticCustomError
 
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
+from optc.evaluate.protocol import EvalProtocol
 from optc.export.formats import FORMATS
 from optc.methods import METHODS
 
@@ -44,14 +45,10 @@ def _validate_stage(item: Any) -> BaseModel:
 StageConfig = Annotated[Any, BeforeValidator(_validate_stage)]
 
 
-class EvaluationConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class EvaluationConfig(EvalProtocol):
+    """A recipe's ``evaluation:`` block: the evaluation protocol (the same defaults as ``optc
+    eval``) and whether the uncompressed model is measured too."""
 
-    dataset: str = "builtin"
-    seqlen: int = Field(512, gt=0)
-    windows: int | None = Field(16, gt=0, description="first N windows; null means all")
-    stride: int | None = Field(None, gt=0)
-    batch_size: int = Field(1, gt=0)
     baseline: bool = Field(True, description="also evaluate the uncompressed model")
 
 
