@@ -238,7 +238,7 @@ def _describe(path: Path) -> dict:
 
 AWQ = Format(
     name=FORMAT,
-    description="AWQ GEMM (AutoAWQ layout), 4-bit with contiguous groups; transformers and vLLM load it",
+    description="AWQ GEMM, 4-bit with contiguous groups (AutoAWQ layout), loaded by transformers and vLLM",
     fits=_fits,
     write=_write,
     read=_read,

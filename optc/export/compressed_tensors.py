@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from optc.errors import OptcError
 from optc.export.files import describe_safetensors, quantization_config, read_config
 from optc.export.registry import Format
+from optc.export.source import save_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -53,8 +54,7 @@ def _write(src: ExportSource, directory: Path, *, max_shard_bytes: int | None = 
         from optc.export.ct_pack import write_pack
 
         summary = write_pack(src, directory, max_shard_bytes=shard)
-    if src.tokenizer is not None:
-        src.tokenizer.save_pretrained(directory)
+    save_tokenizer(src, directory)
     summary["format"] = f"{NAME}/{summary['format']}"
     return summary
 
@@ -122,8 +122,8 @@ def _describe(path: Path) -> dict:
 
 COMPRESSED_TENSORS = Format(
     name=NAME,
-    description="compressed-tensors pack-quantized (W8A8: int-quantized), llm-compressor's layout; "
-                "transformers and vLLM load it",
+    description="compressed-tensors pack-quantized, or int-quantized for W8A8 (llm-compressor's layout), "
+                "loaded by transformers and vLLM",
     fits=_fits,
     write=_write,
     read=_read,

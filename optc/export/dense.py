@@ -56,7 +56,7 @@ def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
 
 DENSE = Format(
     name=NAME,
-    description="plain float safetensors (save_pretrained): any transformers version loads it",
+    description="plain float safetensors (save_pretrained), loaded by any transformers version",
     fits=_fits,
     write=_write,
     read=None,  # transformers' from_pretrained (optc.model.load)

@@ -524,9 +524,9 @@ def _write(qtype: str, src: ExportSource, directory: Path, *, max_shard_bytes: i
 
 
 _DESCRIPTIONS = {
-    "q4_0": "one GGUF file for llama.cpp, Q4_0 blocks (symmetric 4-bit grids of 32-weight blocks kept exactly)",
-    "q8_0": "one GGUF file for llama.cpp, Q8_0 blocks (8-bit grids of 32-weight blocks kept exactly)",
-    "f16": "one GGUF file for llama.cpp, float16 weights",
+    "q4_0": "one GGUF file of Q4_0 blocks (symmetric 4-bit grids in 32-weight blocks kept exactly), loaded by llama.cpp",
+    "q8_0": "one GGUF file of Q8_0 blocks (8-bit grids in 32-weight blocks kept exactly), loaded by llama.cpp",
+    "f16": "one GGUF file of float16 weights, loaded by llama.cpp",
 }
 
 GGUF_FORMATS = tuple(

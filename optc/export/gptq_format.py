@@ -280,7 +280,7 @@ def _describe(path: Path) -> dict:
 
 GPTQ = Format(
     name=FORMAT,
-    description="GPTQ v1 (AutoGPTQ/GPTQModel layout), one 2/3/4/8-bit scheme; transformers (optimum), vLLM and TGI load it",
+    description="GPTQ v1, one 2/3/4/8-bit scheme (AutoGPTQ/GPTQModel layout), loaded by transformers (optimum), vLLM and TGI",
     fits=_fits,
     write=_write,
     read=_read,
