@@ -17,7 +17,6 @@ from optc.export.formats import FORMATS
 from optc.methods import METHODS
 
 RECIPE_VERSION = 1
-EXPORT_FORMATS = ("dense", "compressed-tensors", "gptq", "awq", "gguf-q4_0", "gguf-q8_0", "gguf-f16")
 
 
 def _validate_stage(item: Any) -> BaseModel:

@@ -23,7 +23,8 @@ import optc.model.load
 import optc.run.pipeline
 from optc.cli.main import app
 from optc.errors import OptcError
-from optc.recipe import EXPORT_FORMATS, Recipe, apply_overrides, load_recipe, parse_recipe
+from optc.export.formats import FORMATS
+from optc.recipe import Recipe, apply_overrides, load_recipe, parse_recipe
 from optc.methods import METHODS
 
 FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -67,7 +68,7 @@ def recipe_dicts(draw) -> dict:
         if section == "stages":
             data["stages"] = draw(st.lists(stage_dicts(), max_size=3))
         elif section == "export":
-            data["export"] = {"format": draw(st.sampled_from([*EXPORT_FORMATS, "onnx"])), **draw(
+            data["export"] = {"format": draw(st.sampled_from([*FORMATS, "onnx"])), **draw(
                 st.dictionaries(st.sampled_from(["max_shard_size", "sparsity_metadata", "x"]), values, max_size=2))}
         elif section in ("calibration", "evaluation"):
             keys = st.sampled_from(["dataset", "samples", "seqlen", "seed", "windows", "stride", "batch_size",

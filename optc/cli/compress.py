@@ -163,7 +163,7 @@ def recover(
     gate: GateOpt = None, quiet: QuietOpt = False,
 ) -> None:
     """Recover accuracy with a LoRA fine-tune distilled from the float model; masks and grids are kept."""
-    from optc.export.load import checkpoint_is_quantized
+    from optc.export.load import quantized_format
     from optc.recipe import read_recipe_data, resolve_recipe
 
     data = read_recipe_data(resolve_recipe(recipe))
@@ -172,8 +172,7 @@ def recover(
                   and st["type"] in METHODS and METHODS[st["type"]].kind == "recover"), None)
     if index is None:
         raise OptcError(f"recipe {recipe}: has no recover stage (use optc run for other recipes)")
-    if fmt is None and model is not None and checkpoint_is_quantized(model):
-        fmt = "compressed-tensors"  # keep a quantized checkpoint's format
+    fmt = fmt or quantized_format(model)  # a quantized checkpoint stays in its format
     overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
     fields = {
         "teacher": teacher, "steps": steps, "tokens": tokens, "max_minutes": max_minutes, "lr": lr,

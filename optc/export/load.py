@@ -28,6 +28,14 @@ def load_checkpoint(source: str | None = None, dtype: str = "float32", trust_rem
     return model_load.load_model(source, dtype, trust_remote_code, read_checkpoint=read_checkpoint)
 
 
+def quantized_format(source: str | None) -> str | None:
+    """The format of a local checkpoint that stores quantized weights (a recovered checkpoint is
+    written back in it), or None."""
+    if source is None or not checkpoint_is_quantized(source):
+        return None
+    return detect_format(Path(source).expanduser()).name
+
+
 def checkpoint_is_quantized(source: str) -> bool:
     """Whether a local checkpoint directory stores quantized weights (read from config.json)."""
     path = Path(source).expanduser()
