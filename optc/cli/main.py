@@ -20,6 +20,7 @@ from rich.table import Table
 
 import optc
 from optc.errors import Interrupted, OptcError
+from optc.cli.stage_flags import PRUNE_FIELDS, STRUCTURED_FIELDS, first_stage, prune_methods, takes
 from optc.methods import METHODS, methods_of_kind
 
 app = typer.Typer(
@@ -261,42 +262,6 @@ def run(
     _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume)
 
 
-# Flags of quantize / prune address a stage by what it is, not by its position: the first stage
-# of the flag's kind whose config takes the field the flag sets.
-_PRUNE_FIELDS = ("pattern", "sparsity")  # --method/--pattern/--sparsity of optc prune
-_STRUCTURED_FIELDS = ("heads", "kv_heads", "mlp")  # --structured of optc prune
-
-
-def _takes(method: str, fields: tuple[str, ...]) -> bool:
-    return set(fields) <= set(METHODS[method].config.model_fields)
-
-
-def _prune_methods() -> list[str]:
-    """Pruning methods --method chooses among: those taking --pattern / --sparsity."""
-    return [m for m in methods_of_kind("prune") if _takes(m, _PRUNE_FIELDS)]
-
-
-def _first_stage(recipe: str, kind: str, flags: dict[str, Any], fields: tuple[str, ...] = ()) -> int | None:
-    """Index of the recipe's first ``kind`` stage whose config takes ``fields``: where the given
-    ``flags`` go (None when none of them is given). A recipe without one is refused."""
-    given = [flag for flag, value in flags.items() if value is not None]
-    if not given:
-        return None
-    from optc.recipe import read_recipe_data, resolve_recipe
-
-    data = read_recipe_data(resolve_recipe(recipe))
-    if not isinstance(data, dict):
-        return None  # refused as a whole when the run parses it
-    stages = data.get("stages") or []
-    types = [st.get("type") if isinstance(st, dict) else None for st in stages] if isinstance(stages, list) else []
-    for i, t in enumerate(types):
-        if isinstance(t, str) and t in METHODS and METHODS[t].kind == kind and _takes(t, fields):
-            return i
-    what = f"{kind} stage" + (f" taking {'/'.join(fields)}" if fields else "")
-    have = " -> ".join(str(t) for t in types) or "none"
-    raise OptcError(f"cannot set {', '.join(given)}: the recipe has no such entry (no {what} in {recipe}; its stages: {have})")
-
-
 @app.command()
 @handle_errors
 def quantize(
@@ -316,7 +281,7 @@ def quantize(
     if method is not None and method not in known:
         raise OptcError(f"unknown quantization method {method!r} (expected {', '.join(known)})")
     overrides = _common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming)
-    i = _first_stage(recipe, "quantize", {"--method": method, "--bits": bits, "--group-size": group_size})
+    i = first_stage(recipe, "quantize", {"--method": method, "--bits": bits, "--group-size": group_size})
     if i is not None:
         overrides.update({f"stages.{i}.type": method, f"stages.{i}.scheme.bits": bits, f"stages.{i}.scheme.group_size": group_size})
     _run(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume)
@@ -326,7 +291,7 @@ def quantize(
 @handle_errors
 def prune(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Built-in recipe name or YAML path.")] = None,
-    method: Annotated[Optional[str], typer.Option("--method", help=f"Pruning score: {', '.join(_prune_methods())} (default magnitude); with --recipe, the method of its first prune stage taking --pattern/--sparsity.")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", help=f"Pruning score: {', '.join(prune_methods())} (default magnitude); with --recipe, the method of its first prune stage taking --pattern/--sparsity.")] = None,
     pattern: Annotated[Optional[str], typer.Option("--pattern", help="N:M pattern, e.g. 2:4 (with --recipe: of its first prune stage taking --pattern/--sparsity).")] = None,
     sparsity: Annotated[Optional[float], typer.Option("--sparsity", help="Unstructured sparsity in [0, 1) (with --recipe: of its first prune stage taking --pattern/--sparsity).")] = None,
     structured: Annotated[Optional[str], typer.Option("--structured", help="Remove heads / MLP channels, e.g. heads=0.25,mlp=0.3 (also kv_heads=); with --recipe: its structured stage.")] = None,
@@ -338,7 +303,7 @@ def prune(
 ) -> None:
     """Prune weights: unstructured (--sparsity), N:M (--pattern 2:4) or structured (--structured);
     with --recipe the flags override its first prune stage that takes them."""
-    known = _prune_methods()
+    known = prune_methods()
     if method is not None and method not in known:
         expected = f"{', '.join(known[:-1])} or {known[-1]}" if len(known) > 1 else ", ".join(known)
         raise OptcError(f"unknown pruning method {method!r} (expected {expected})")
@@ -346,7 +311,7 @@ def prune(
     parts = _parse_structured(structured) if structured is not None else None
     stages = None
     if recipe is None:
-        remover = next(m for m in methods_of_kind("prune") if _takes(m, _STRUCTURED_FIELDS))
+        remover = next(m for m in methods_of_kind("prune") if takes(m, STRUCTURED_FIELDS))
         stages = [{"type": remover, **parts}] if parts else []
         if pattern is not None or sparsity is not None or not parts:
             stage: dict[str, Any] = {"type": method or "magnitude"}
@@ -356,10 +321,10 @@ def prune(
                 stage["sparsity"] = sparsity
             stages.append(stage)
     else:
-        i = _first_stage(recipe, "prune", {"--method": method, "--pattern": pattern, "--sparsity": sparsity}, _PRUNE_FIELDS)
+        i = first_stage(recipe, "prune", {"--method": method, "--pattern": pattern, "--sparsity": sparsity}, PRUNE_FIELDS)
         if i is not None:
             overrides.update({f"stages.{i}.type": method, f"stages.{i}.pattern": pattern, f"stages.{i}.sparsity": sparsity})
-        i = _first_stage(recipe, "prune", {"--structured": structured}, _STRUCTURED_FIELDS)
+        i = first_stage(recipe, "prune", {"--structured": structured}, STRUCTURED_FIELDS)
         if i is not None:
             overrides.update({f"stages.{i}.{k}": v for k, v in (parts or {}).items()})
     _run(recipe or "prune-2of4-magnitude.yaml", overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, stages, gates=gate, quiet=quiet, resume=resume)
