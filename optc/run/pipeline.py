@@ -32,13 +32,13 @@ from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.recipe import EvaluationConfig, Recipe
 from optc.run.streaming import (
     baseline_perplexity,
+    evaluate_streaming,
     keeping_progress,
     layer_rows,
     open_store,
     open_streamed,
     streamed_eval,
     streamed_source,
-    evaluate_streaming,
     wants_streaming,
 )
 from optc.methods.recover_training import check_recoverable, restore_base, write_adapter
