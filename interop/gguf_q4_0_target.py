@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM
 from optc.data import CalibrationConfig, evaluation_tokens
 from optc.evaluate.perplexity import paired_difference, perplexity
 from optc.export.convert import export_model
-from optc.model.load import load_model
+from optc.export.load import load_checkpoint as load_model  # optc's readers for its own formats
 from optc.methods import Workspace
 from optc.methods.gptq import GPTQStage, run_gptq
 

@@ -22,7 +22,9 @@ import torch
 from optc.data import CalibrationConfig, evaluation_tokens
 from optc.evaluate.perplexity import perplexity, windows_of
 from optc.export.convert import export_model
-from optc.model.load import load_model
+from optc.export.load import load_checkpoint as load_model  # optc's readers for its own formats
+from optc.compress.actquant import input_quant_of
+from optc.export.source import ModelSource
 from optc.run.pipeline import export_checkpoint
 from optc.methods import Workspace
 from optc.methods.rtn import RTNStage, run_rtn
@@ -77,7 +79,8 @@ def main() -> None:
         run_w8a8(w8_ws, W8A8Stage(type="w8a8", method="rtn", **extra))
         directory = args.out / name
         directory.mkdir(exist_ok=True)
-        export_checkpoint(w8_ws, "compressed-tensors", directory, "2GB")  # int-quantized: inputs are quantized
+        src = ModelSource(w8, loaded.tokenizer, w8_ws.qparams, input_quant_of(w8))
+        export_checkpoint(src, "compressed-tensors", directory, "2GB")  # int-quantized: inputs are quantized
         ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
         reference["formats"][name] = {"optc_reader": ppl, "in_memory": perplexity(w8, tokens, args.seqlen, args.windows).perplexity}
         print(f"{name}: optc reader perplexity {ppl:.4f}", flush=True)
