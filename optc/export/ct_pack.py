@@ -41,7 +41,7 @@ from optc.export.packing import (
 )
 from optc.export.source import ExportSource, ModelSource
 from optc.memory import trim
-from optc.model.safetensors_io import read_safetensors
+from optc.model.safetensors_io import Lazy, read_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -206,6 +206,29 @@ def checked_linear(src: ExportSource, name: str, stored: set[str], linears: set[
         raise OptcError(f"{name!r} is not an nn.Linear of this model; {what} covers Linears only")
 
 
+class _Repack:
+    """One Linear of a model read from disk, packed again when the writer reaches its tensors, so a
+    model larger than memory never holds all its codes at once. The writer orders tensors by dtype,
+    not by module: the small tensors of a pack are kept until written, the codes are not (a
+    Linear is packed at most twice more; packing is deterministic, so the bytes are the same)."""
+
+    def __init__(self, src: ExportSource, name: str, p: QuantParams, group_size: int | None) -> None:
+        self.src, self.name, self.p, self.group_size = src, name, p, group_size
+        self.kept: dict[str, torch.Tensor] = {}
+        self.written: set[str] = set()
+
+    def entries(self, tensors: dict[str, torch.Tensor]) -> dict[str, Lazy]:
+        return {k: Lazy(lambda k=k: self.get(k), v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+
+    def get(self, leaf: str) -> torch.Tensor:
+        self.written.add(leaf)
+        if leaf in self.kept:
+            return self.kept.pop(leaf)
+        tensors, _ = pack_weight(self.name, self.src.tensor(f"{self.name}.weight"), self.p, self.group_size)
+        self.kept = {k: v for k, v in tensors.items() if k != "weight_packed" and k not in self.written}
+        return tensors[leaf]
+
+
 def write_pack(
     src: ExportSource,
     directory: Path,
@@ -232,9 +255,12 @@ def write_pack(
     packed: dict[str, dict[str, torch.Tensor]] = {}
     groups: dict[tuple, list[str]] = {}
     regrouped: dict[str, int | None] = {}
+    on_disk = getattr(src, "stored", None) is not None
     for name, p in qparams.items():
         checked_linear(src, name, stored, linears, FORMAT)
         packed[name], key = pack_weight(name, src.tensor(f"{name}.weight"), p, targets[name])
+        if on_disk:  # a streamed model: its Linears are packed again as they are written
+            packed[name] = _Repack(src, name, p, targets[name]).entries(packed[name])
         trim()  # the packing temporaries (a few MB) would otherwise stay as heap fragments
         if key[2] != p.scheme.group_size:
             regrouped[name] = key[2]
