@@ -57,6 +57,10 @@ class ExportConfig(BaseModel):
 
     format: str = Field("dense", description="export format: a registered format name (optc.export.formats)")
     max_shard_size: str = "2GB"
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="dtype of the tensors that are not quantized (and of dense weights); auto: "
+        "the source model's dtype, bfloat16 for a GGUF source (dequantized to float32 on load)",
+    )
     sparsity_metadata: bool = Field(
         True, description="pruned models: add compressed-tensors' sparsity_config to config.json"
     )

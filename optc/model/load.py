@@ -53,6 +53,11 @@ class LoadedModel:
     qparams: dict = field(default_factory=dict)  # module name -> QuantParams, if quantized
     masks: dict = field(default_factory=dict)  # module name -> keep mask, if pruned (sparsity_config)
     nm: tuple[int, int] | None = None  # the N:M pattern of those masks, if any
+    # The dtype the source stores its weights in ("float32" for a dequantized GGUF), and whether
+    # it came from a GGUF file: export writes unquantized tensors in the source's dtype, except
+    # that a GGUF's float32 (an artefact of dequantizing it) becomes bfloat16.
+    source_dtype: str | None = None
+    from_gguf: bool = False
 
 
 @dataclass
@@ -232,4 +237,23 @@ def load_model(
     got.model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(got.model, tokenizer, source, path, got.qparams, got.masks, got.nm)
+    from_gguf = source in _BUILTIN or (path is not None and path.suffix == ".gguf")
+    src_dtype = "float32" if from_gguf else stored_dtype(path)
+    return LoadedModel(got.model, tokenizer, source, path, got.qparams, got.masks, got.nm,
+                       source_dtype=src_dtype, from_gguf=from_gguf)
+
+
+def stored_dtype(path: Path | None) -> str | None:
+    """The dtype a Hugging Face directory's ``config.json`` declares (``dtype``, or the older
+    ``torch_dtype``), when it is one optc writes; None when unknown (a hub id, no config)."""
+    import json
+
+    config = path / "config.json" if path is not None and path.is_dir() else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = data.get("dtype") or data.get("torch_dtype")
+    return name if name in DTYPES else None

@@ -25,7 +25,7 @@ from optc.export.checkpoint import check_free_space, check_output, directory_byt
 from optc.export.checkpoint import staged_output
 from optc.export.formats import check_schemes, get_format
 from optc.export.load import load_checkpoint as load_model
-from optc.export.source import ExportSource, ModelSource
+from optc.export.source import CastSource, ExportSource, ModelSource, stored_dtype
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
 from optc.evaluate.protocol import EvalProtocol, LatencyOptions
@@ -121,7 +121,7 @@ def _run_recipe(
     streaming = wants_streaming(recipe)
     torch.manual_seed(recipe.calibration.seed)
     if recipe.evaluation is not None:
-        check_disjoint(recipe.calibration.dataset, recipe.evaluation.dataset)
+        check_disjoint(recipe.calibration.datasets(), recipe.evaluation.dataset)
     # The source: the model in memory, or (streaming) on the meta device over the input's shards.
     reader = None
     if streaming:
@@ -204,7 +204,8 @@ def _run_recipe(
                 if ws.adapter is not None:
                     restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
                     ws.adapter.base_model = str(output)
-                fmt = export_checkpoint(src, recipe.export.format, tmp, recipe.export.max_shard_size)
+                dtype = stored_dtype(recipe.export.dtype, loaded.source_dtype, loaded.from_gguf, model.dtype)
+                fmt = export_checkpoint(src, recipe.export.format, tmp, recipe.export.max_shard_size, dtype)
                 adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
                 if ws.masks and recipe.export.sparsity_metadata and get_format(recipe.export.format).sparsity_metadata:
                     write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
@@ -213,6 +214,7 @@ def _run_recipe(
                 if adapter_files:
                     report["checkpoint"]["adapter"] = adapter_files
                 report["metrics"]["size"] = size_metrics(model, tmp, counts=counts)
+                report["metrics"]["size"]["dtype"] = str(dtype).removeprefix("torch.")
                 report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
                 write_report(report, tmp)
         else:
@@ -291,15 +293,22 @@ def _add_eval_details(report: dict, model: torch.nn.Module, layers: list[dict] |
     report["layers"] = layers if layers is not None else layer_statistics(model, *stage_layer_info(report["stages"]))
 
 
-def export_checkpoint(src: ExportSource, fmt: str, directory: Path, max_shard_size: str) -> str:
-    """Write ``src`` (the model in memory, or a streamed run's layers on disk) in ``fmt``;
-    returns the format name written."""
+def export_checkpoint(src: ExportSource, fmt: str, directory: Path, max_shard_size: str,
+                      dtype: torch.dtype | None = None) -> str:
+    """Write ``src`` (the model in memory, or a streamed run's layers on disk) in ``fmt``, its
+    unquantized tensors in ``dtype`` (None: as they are); returns the format name written."""
     target = get_format(fmt)
     if target.needs_quantized and not src.qparams:
         raise OptcError(
             f"export format {fmt} needs quantized weights; this recipe quantizes "
             "nothing (use format: dense)"
         )
+    if dtype is not None and dtype != src.dtype:
+        # A format that packs codes reads the quantized weights exactly as calibrated; one that
+        # stores weights as in memory (bits_per_weight None: dense) casts them like the rest.
+        packs = any(target.bits_per_weight(p.scheme, 64) is not None for p in src.qparams.values())
+        keep = {f"{name}.weight" for name in src.qparams} if packs else set()
+        src = CastSource(src, dtype, keep)
     return target.write(src, directory, max_shard_bytes=parse_size(max_shard_size))["format"]
 
 
