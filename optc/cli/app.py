@@ -45,7 +45,10 @@ LATENCY = LatencyOptions()
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="HF directory, hub id, .gguf file, or 'smollm2-135m' (default).")]
 OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (written atomically).")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
-DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", help="Calibration text: builtin, wikitext2, c4, or a .txt/.jsonl path.")]
+DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", help="Calibration text: builtin, wikitext2, c4, a .txt/.jsonl/.parquet/.arrow/.csv/.json file or folder, a save_to_disk directory, or a hub dataset id.")]
+TextColumnOpt = Annotated[Optional[str], typer.Option("--text-column", help="Column of --dataset to read (default: text, else messages; conversations are rendered with the model's chat template).")]
+SplitOpt = Annotated[Optional[str], typer.Option("--split", help="Split of --dataset to read (default: train).")]
+DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="Stored dtype of the tensors that are not quantized: float16, bfloat16, float32 or auto (default: the source's; bfloat16 for a GGUF source).")]
 SamplesOpt = Annotated[Optional[int], typer.Option("--samples", help="Calibration samples.")]
 SeqlenOpt = Annotated[Optional[int], typer.Option("--seqlen", help="Tokens per calibration sample.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed for sampling and any randomness.")]
@@ -192,11 +195,17 @@ def finish(report: dict, as_json: bool, quiet: bool) -> None:
         raise typer.Exit(GATE_EXIT_CODE)
 
 
-def common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming: bool = False) -> dict:
+def common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming: bool = False, *,
+                     text_column: str | None = None, split: str | None = None, dtype: str | None = None) -> dict:
     return {
         "calibration.streaming": True if streaming else None,
         "model": model,
         "calibration.dataset": dataset,
+        # --dataset replaces the recipe's calibration source, a mix included.
+        "calibration.mix": [] if dataset is not None else None,
+        "calibration.text_column": text_column,
+        "calibration.split": split,
+        "export.dtype": dtype,
         "calibration.samples": samples,
         "calibration.seqlen": seqlen,
         "calibration.seed": seed,

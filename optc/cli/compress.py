@@ -7,8 +7,9 @@ from typing import Annotated, Any, Optional
 import typer
 
 from optc.cli.app import (
-    DatasetOpt, DeviceOpt, EvalDatasetOpt, FormatOpt, GateOpt, JsonOpt, ModelOpt, NoEvalOpt, OutputOpt,
-    OverwriteOpt, QuietOpt, ResumeOpt, SamplesOpt, SeedOpt, SeqlenOpt, StreamingOpt, TrustOpt, WindowsOpt,
+    DatasetOpt, DeviceOpt, DtypeOpt, EvalDatasetOpt, FormatOpt, GateOpt, JsonOpt, ModelOpt, NoEvalOpt, OutputOpt,
+    OverwriteOpt, QuietOpt, ResumeOpt, SamplesOpt, SeedOpt, SeqlenOpt, SplitOpt, StreamingOpt, TextColumnOpt, TrustOpt,
+    WindowsOpt,
     app, common_overrides, handle_errors, run_command,
 )
 from optc.errors import OptcError
@@ -22,11 +23,12 @@ def run(
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
-    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
+    device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
 ) -> None:
     """Run a whole multi-stage recipe: compress, evaluate, export, report."""
-    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming)
+    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming, text_column=text_column, split=split, dtype=dtype)
     run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume)
 
 
@@ -76,7 +78,8 @@ def quantize(
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
-    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
+    device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
 ) -> None:
     """Quantize weights with a recipe (default: 4-bit round-to-nearest); --method, --bits and
@@ -84,7 +87,7 @@ def quantize(
     known = methods_of_kind("quantize")
     if method is not None and method not in known:
         raise OptcError(f"unknown quantization method {method!r} (expected {', '.join(known)})")
-    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming)
+    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming, text_column=text_column, split=split, dtype=dtype)
     i = _first_stage(recipe, "quantize", {"--method": method, "--bits": bits, "--group-size": group_size})
     if i is not None:
         overrides.update({f"stages.{i}.type": method, f"stages.{i}.scheme.bits": bits, f"stages.{i}.scheme.group_size": group_size})
@@ -102,7 +105,8 @@ def prune(
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
-    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
+    device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False,
 ) -> None:
     """Prune weights: unstructured (--sparsity), N:M (--pattern 2:4) or structured (--structured);
@@ -111,7 +115,7 @@ def prune(
     if method is not None and method not in known:
         expected = f"{', '.join(known[:-1])} or {known[-1]}" if len(known) > 1 else ", ".join(known)
         raise OptcError(f"unknown pruning method {method!r} (expected {expected})")
-    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
+    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, text_column=text_column, split=split, dtype=dtype)
     parts = _parse_structured(structured) if structured is not None else None
     stages = None
     if recipe is None:
@@ -159,7 +163,8 @@ def recover(
     output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
-    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
+    device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False,
 ) -> None:
     """Recover accuracy with a LoRA fine-tune distilled from the float model; masks and grids are kept."""
@@ -174,7 +179,7 @@ def recover(
         raise OptcError(f"recipe {recipe}: has no recover stage (use optc run for other recipes)")
     if fmt is None and model is not None and checkpoint_is_quantized(model):
         fmt = "compressed-tensors"  # keep a quantized checkpoint's format
-    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
+    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, text_column=text_column, split=split, dtype=dtype)
     fields = {
         "teacher": teacher, "steps": steps, "tokens": tokens, "max_minutes": max_minutes, "lr": lr,
         "rank": rank, "alpha": alpha, "loss": loss, "kd_weight": kd_weight, "temperature": temperature,
