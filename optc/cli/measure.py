@@ -64,6 +64,7 @@ def report_(
     reports: Annotated[Optional[list[str]], typer.Argument(help="report.json files or directories holding one (any optc command's).")] = None,
     markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the comparison table to this Markdown file.")] = None,
     schema: Annotated[bool, typer.Option("--schema", help="Print the JSON Schema of report.json and exit.")] = False,
+    card: Annotated[bool, typer.Option("--card", help="Regenerate the model card (README.md) of each checkpoint directory given, from its report.json and recipe.yaml.")] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Compare runs side by side: one column per report.json."""
@@ -75,6 +76,14 @@ def report_(
         return
     if not reports:
         raise OptcError("optc report needs at least one report.json (or a directory holding one)")
+    if card:
+        from optc.run.card import write_model_card
+
+        for name in reports:
+            path = Path(name).expanduser()
+            written = write_model_card(path.parent if path.is_file() else path)
+            console.print(f"wrote [bold]{written}[/]")
+        return
     labels, loaded = load_reports(reports)
     rows = comparison_rows(loaded)
     if as_json:

@@ -529,6 +529,22 @@ _DESCRIPTIONS = {
     "f16": "one GGUF file of float16 weights, loaded by llama.cpp",
 }
 
+_USAGE = """llama.cpp:
+
+```sh
+llama-cli -m {path}/{file} -p "The capital of France is"
+```
+
+transformers (dequantizes to float on load):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{path}", gguf_file="{file}")
+tokenizer = AutoTokenizer.from_pretrained("{path}", gguf_file="{file}")
+```
+"""
+
 GGUF_FORMATS = tuple(
     Format(
         name=f"gguf-{qtype}",
@@ -539,6 +555,7 @@ GGUF_FORMATS = tuple(
         detect=functools.partial(_detect, qtype),
         describe=describe_gguf,
         bits_per_weight=functools.partial(_bits_per_weight, qtype),
+        usage=_USAGE,
     )
     for qtype in GGUF_TYPES
 )

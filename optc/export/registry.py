@@ -42,6 +42,9 @@ class Format:
     # Whether a checkpoint detect() claims holds quantized weights (from its config only);
     # None: exactly when needs_quantized.
     quantized: Callable[[Path], bool] | None = None
+    # How to load a checkpoint of this format, for its model card: Markdown with ``{path}`` (the
+    # directory or hub id) and ``{file}`` (the weights file, for one-file formats).
+    usage: str = ""
 
 
 # name -> Format, in registration order (built-ins first: optc.export.formats).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from optc.memory import trim
 from optc.progress import NullProgress, Progress
 from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.recipe import EvaluationConfig, Recipe
+from optc.run.card import write_model_card
 from optc.run.streaming import (
     baseline_perplexity,
     keeping_progress,
@@ -217,6 +219,7 @@ def _run_recipe(
                 report["metrics"]["size"]["dtype"] = str(dtype).removeprefix("torch.")
                 report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
                 write_report(report, tmp)
+                write_model_card(tmp, json.loads(json.dumps(report, default=str)))
         else:
             report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
     if ws.store is not None:
