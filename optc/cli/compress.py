@@ -10,7 +10,7 @@ from optc.cli.app import (
     DatasetOpt, DeviceOpt, DtypeOpt, EvalDatasetOpt, FormatOpt, GateOpt, JsonOpt, ModelOpt, NoEvalOpt, OutputOpt,
     OverwriteOpt, QuietOpt, ResumeOpt, SamplesOpt, SeedOpt, SeqlenOpt, SplitOpt, StreamingOpt, TextColumnOpt, TrustOpt,
     WindowsOpt,
-    app, common_overrides, handle_errors, run_command,
+    FLAG, app, common_overrides, complete_recipe, completing, handle_errors, run_command,
 )
 from optc.errors import OptcError
 from optc.methods import METHODS, methods_of_kind
@@ -19,7 +19,7 @@ from optc.methods import METHODS, methods_of_kind
 @app.command()
 @handle_errors
 def run(
-    recipe: Annotated[str, typer.Argument(help="Built-in recipe name or YAML path.")],
+    recipe: Annotated[str, typer.Argument(help="Built-in recipe name or YAML path.", autocompletion=complete_recipe)],
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
@@ -72,7 +72,7 @@ def _first_stage(recipe: str, kind: str, flags: dict[str, Any], fields: tuple[st
 @handle_errors
 def quantize(
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="Built-in recipe name or YAML path.")] = "w4a16-rtn.yaml",
-    method: Annotated[Optional[str], typer.Option("--method", help=f"Method of the recipe's first quantize stage: {', '.join(methods_of_kind('quantize'))}.")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", autocompletion=completing(lambda: methods_of_kind("quantize")), help=f"Method of the recipe's first quantize stage: {', '.join(methods_of_kind('quantize'))}.")] = None,
     bits: Annotated[Optional[int], typer.Option("--bits", help="Weight bits (2-8) of the recipe's first quantize stage.")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="Input columns per scale of the recipe's first quantize stage.")] = None,
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
@@ -98,7 +98,7 @@ def quantize(
 @handle_errors
 def prune(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Built-in recipe name or YAML path.")] = None,
-    method: Annotated[Optional[str], typer.Option("--method", help=f"Pruning score: {', '.join(_prune_methods())} (default magnitude); with --recipe, the method of its first prune stage taking --pattern/--sparsity.")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", autocompletion=completing(_prune_methods), help=f"Pruning score: {', '.join(_prune_methods())} (default magnitude); with --recipe, the method of its first prune stage taking --pattern/--sparsity.")] = None,
     pattern: Annotated[Optional[str], typer.Option("--pattern", help="N:M pattern, e.g. 2:4 (with --recipe: of its first prune stage taking --pattern/--sparsity).")] = None,
     sparsity: Annotated[Optional[float], typer.Option("--sparsity", help="Unstructured sparsity in [0, 1) (with --recipe: of its first prune stage taking --pattern/--sparsity).")] = None,
     structured: Annotated[Optional[str], typer.Option("--structured", help="Remove heads / MLP channels, e.g. heads=0.25,mlp=0.3 (also kv_heads=); with --recipe: its structured stage.")] = None,
@@ -155,10 +155,10 @@ def recover(
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Distillation temperature.")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per step.")] = None,
     target: Annotated[Optional[list[str]], typer.Option("--target", help="Regex of Linears to adapt (repeatable).")] = None,
-    gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in the backward pass.")] = None,
+    gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in the backward pass.", metavar=FLAG)] = None,
     save_every: Annotated[Optional[int], typer.Option("--save-every", help="Save resumable state every N steps (0: never).")] = None,
     state_dir: Annotated[Optional[str], typer.Option("--state-dir", help="Where the resumable state lives (default: beside --output).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last saved step.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last saved step.", metavar=FLAG)] = False,
     export_mode: Annotated[Optional[str], typer.Option("--export", help="merge (fold into the weights, same grid) or adapter (peft adapter beside the checkpoint).")] = None,
     output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,

@@ -346,13 +346,18 @@ def evaluate_model(
     tasks: list[str] | None = None,
     cache: bool = True,
     streaming: bool = False,
+    device: str = "cpu",
 ) -> dict:
     """Perplexity (on ``protocol``'s windows), KL to a baseline, size and latency (when
     ``latency`` is given) of a model, with a report (and gates).
 
     ``streaming`` evaluates layer-major, one decoder layer in memory at a time (perplexity and
-    size only), for models larger than memory.
+    size only), for models larger than memory. ``device``: where the models run (the windows
+    follow the model's device).
     """
+    if device != "cpu" and (latency is not None or streaming):
+        # Latency is batch-1 CPU timing by design, and the layer-major reader feeds CPU layers.
+        raise OptcError(f"--device {device}: {'--latency' if latency is not None else '--streaming'} runs on the CPU only")
     from optc.evaluate.gates import parse_gates
     from optc.evaluate.suite import EvalOptions, run_evaluation, timed
 
@@ -374,6 +379,9 @@ def evaluate_model(
     with timed(report["timings"], "load"):
         loaded = load_model(source)
         base = load_model(baseline) if baseline is not None else None
+        for m in (loaded, base):
+            if m is not None and device != "cpu":
+                m.model.to(device)
     report["model"], report["baseline"] = loaded.source, base.source if base is not None else None
     run_evaluation(loaded, base, opts, report, progress)
     if output is not None:
