@@ -83,3 +83,15 @@ def test_model_origin(tmp_path: Path) -> None:
     assert model_origin(None) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")
     assert model_origin("org/model") == ("org/model", None)
     assert model_origin(str(tmp_path)) == (None, None)
+
+
+def test_chat_calibrated_example_recipe(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The README's chat-calibrated recipe runs (a mix with the built-in chat part) and its card says so."""
+    recipe = Path(__file__).parents[1] / "examples" / "w4a16-gptq-chat.yaml"
+    out = tmp_path / "chat"
+    _run("run", str(recipe), "--model", str(tiny_checkpoint), "--output", str(out), "--no-eval", "-q",
+         "--samples", "4", "--seqlen", "32")
+    text = ModelCard.load(out / "README.md").text
+    assert "a mix of `builtin` (rendering chat" not in text  # rendering is said in words
+    assert "4 samples of 32 tokens from a mix of `builtin` (rendered with the model's chat template) (75%)" in text
+    assert "`builtin` (25%)" in text and "used by gptq" in text

@@ -191,7 +191,7 @@ def _print_report(report: dict, as_json: bool) -> None:
         console.print(f"parameters: {metrics['parameters']:,} ({metrics['nonzero']:,} non-zero)")
     ck = report.get("checkpoint")
     if ck:
-        console.print(f"wrote [bold]{ck['path']}[/] ({ck['format']}, {ck['bytes'] / 2**20:.1f} MiB): report.json, report.md, recipe.yaml")
+        console.print(f"wrote [bold]{ck['path']}[/] ({ck['format']}, {ck['bytes'] / 2**20:.1f} MiB): README.md (model card), report.json, report.md, recipe.yaml")
     _print_details(report)
 
 
