@@ -61,6 +61,10 @@ class ExportConfig(BaseModel):
         "auto", description="dtype of the tensors that are not quantized (and of dense weights); auto: "
         "the source model's dtype, bfloat16 for a GGUF source (dequantized to float32 on load)",
     )
+    embedding_bits: Literal[16, 8] = Field(
+        16, description="8: store the input embedding in 8 bits where the format and its runtime hold "
+        "it (GGUF Q8_0); other formats refuse it before any calibration",
+    )
     sparsity_metadata: bool = Field(
         True, description="pruned models: add compressed-tensors' sparsity_config to config.json"
     )

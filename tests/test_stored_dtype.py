@@ -100,3 +100,31 @@ def test_bad_dtype_is_one_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
                                       "--dtype", "int8", *RUN])
     assert result.exit_code == 1
     assert "export.dtype" in result.output
+
+
+def _recipe(tmp_path: Path, fmt: str) -> str:
+    path = tmp_path / f"emb8-{fmt}.yaml"
+    path.write_text(
+        "version: 1\nstages:\n  - type: rtn\n    scheme: {bits: 4, symmetric: true, group_size: 32}\n"
+        f"    ignore: [lm_head]\nevaluation: null\nexport: {{format: {fmt}, embedding_bits: 8}}\n")
+    return str(path)
+
+
+def test_8bit_embedding_in_gguf_and_refused_elsewhere(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    from gguf import GGUFReader
+
+    out = tmp_path / "gguf"
+    _run("run", _recipe(tmp_path, "gguf-q4_0"), "--model", str(tiny_checkpoint), "--output", str(out), *RUN)
+    (file,) = out.glob("*.gguf")
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(file)).tensors}
+    assert types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.attn_q.weight"] == "Q4_0"
+    reloaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=file.name)  # transformers reads Q8_0 too
+    want = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).model.embed_tokens.weight.detach()
+    got = reloaded.model.embed_tokens.weight.detach().float()
+    assert float((got - want).abs().max()) <= float(want.abs().max()) / 127 + 1e-6  # one Q8_0 step
+    result = CliRunner().invoke(app, ["run", _recipe(tmp_path, "compressed-tensors"), "--model", str(tiny_checkpoint),
+                                      "--output", str(tmp_path / "ct"), *RUN])
+    assert result.exit_code == 1
+    assert "embedding_bits 8 is refused" in result.output and "GGUF stores it as Q8_0" in result.output
+    assert not (tmp_path / "ct").exists()

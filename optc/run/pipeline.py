@@ -207,7 +207,8 @@ def _run_recipe(
                     restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
                     ws.adapter.base_model = str(output)
                 dtype = stored_dtype(recipe.export.dtype, loaded.source_dtype, loaded.from_gguf, model.dtype)
-                fmt = export_checkpoint(src, recipe.export.format, tmp, recipe.export.max_shard_size, dtype)
+                fmt = export_checkpoint(src, recipe.export.format, tmp, recipe.export.max_shard_size, dtype,
+                                        recipe.export.embedding_bits)
                 adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
                 if ws.masks and recipe.export.sparsity_metadata and get_format(recipe.export.format).sparsity_metadata:
                     write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
@@ -297,7 +298,7 @@ def _add_eval_details(report: dict, model: torch.nn.Module, layers: list[dict] |
 
 
 def export_checkpoint(src: ExportSource, fmt: str, directory: Path, max_shard_size: str,
-                      dtype: torch.dtype | None = None) -> str:
+                      dtype: torch.dtype | None = None, embedding_bits: int = 16) -> str:
     """Write ``src`` (the model in memory, or a streamed run's layers on disk) in ``fmt``, its
     unquantized tensors in ``dtype`` (None: as they are); returns the format name written."""
     target = get_format(fmt)
@@ -312,12 +313,16 @@ def export_checkpoint(src: ExportSource, fmt: str, directory: Path, max_shard_si
         packs = any(target.bits_per_weight(p.scheme, 64) is not None for p in src.qparams.values())
         keep = {f"{name}.weight" for name in src.qparams} if packs else set()
         src = CastSource(src, dtype, keep)
-    return target.write(src, directory, max_shard_bytes=parse_size(max_shard_size))["format"]
+    extra = {"embedding_bits": embedding_bits} if embedding_bits != 16 else {}  # only formats that hold it take it
+    return target.write(src, directory, max_shard_bytes=parse_size(max_shard_size), **extra)["format"]
 
 
 def check_recipe_export(recipe: Recipe) -> None:
     """Refuse, before any calibration, a recipe whose schemes its export format cannot hold."""
     check_schemes(recipe.export.format, declared_schemes(recipe.stages))
+    refusal = get_format(recipe.export.format).embedding_8bit
+    if recipe.export.embedding_bits == 8 and refusal is not None:
+        raise OptcError(f"export format {recipe.export.format}: embedding_bits 8 is refused: {refusal}")
 
 
 def parse_size(text: str) -> int:
