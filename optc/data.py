@@ -174,20 +174,19 @@ def check_disjoint(calibration: str | list[str], evaluation: str) -> None:
     """Refuse calibrating on the evaluation text (named sources already split by role). Local
     sources are compared by content: the same file under another name, a copy or a hard link
     of it is the same text."""
-    from optc.data_sources import data_fingerprints
+    from optc.data_sources import shared_data
 
     if evaluation in NAMED:
         return
-    held_out = data_fingerprints(evaluation)
     for name in [calibration] if isinstance(calibration, str) else calibration:
         if name in NAMED:
             continue
-        for digest, f in data_fingerprints(name).items():
-            if digest in held_out:
-                same = f.resolve() == held_out[digest].resolve()
-                what = f"the same file ({f})" if same else f"the same data ({f} has the content of {held_out[digest]})"
-                raise OptcError(f"calibration and evaluation use {what}: calibrating on evaluation "
-                                "text makes the reported accuracy meaningless")
+        pair = shared_data(name, evaluation)
+        if pair is not None:
+            f, held_out = pair
+            what = f"the same file ({f})" if f.resolve() == held_out.resolve() else f"the same data ({f} has the content of {held_out})"
+            raise OptcError(f"calibration and evaluation use {what}: calibrating on evaluation "
+                            "text makes the reported accuracy meaningless")
 
 
 def _tokenizer_key(tokenizer) -> str:
@@ -291,6 +290,8 @@ def calibration_chunks(
     refusing a text with fewer than ``at_least`` chunks (1 when None). ``first_only``: only
     (at least) that many leading chunks are needed, so only a prefix is tokenized."""
     if isinstance(dataset, CalibrationConfig) and dataset.mix:
+        # Every chunk of every source, in mix order (recovery training takes its own count of
+        # them); the weights apply to the sampled calibration set (mixed_samples).
         import torch
 
         return torch.cat([calibration_chunks(tokenizer, src, seqlen) for src in dataset.mix])

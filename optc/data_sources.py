@@ -151,17 +151,36 @@ def source_texts(dataset: str, role: Role, *, split: str | None, config: str | N
     return column_texts(list(ds[column]), rendering, tokenizer, f"{dataset} column {column!r}")
 
 
-def data_fingerprints(dataset: str) -> dict[str, Path]:
-    """sha256 of every data file a local source reads -> the file (empty for other sources).
-
-    Content, not names: a copy or a hard link of a file has the fingerprint of the original."""
+def local_data_files(dataset: str) -> list[Path]:
+    """The data files a local source reads (empty for named and hub sources)."""
     path = Path(dataset).expanduser()
     if path.is_file():
-        files = [path]
-    elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name not in _METADATA)
-    else:
-        return {}
+        return [path]
+    if path.is_dir():
+        return sorted(p for p in path.rglob("*") if p.is_file() and p.name not in _METADATA)
+    return []
+
+
+def shared_data(calibration: str, evaluation: str) -> tuple[Path, Path] | None:
+    """A (calibration file, evaluation file) pair with the same content, or None.
+
+    Content, not names: a copy or a hard link of a file is the same text. Only files of equal
+    size are hashed, so two large datasets that differ cost no reading."""
+    held_out = local_data_files(evaluation)
+    sizes = {f.stat().st_size for f in held_out}
+    candidates = [f for f in local_data_files(calibration) if f.stat().st_size in sizes]
+    if not candidates:
+        return None
+    common = {f.stat().st_size for f in candidates}
+    digests = _fingerprints([f for f in held_out if f.stat().st_size in common])
+    for digest, f in _fingerprints(candidates).items():
+        if digest in digests:
+            return f, digests[digest]
+    return None
+
+
+def _fingerprints(files: list[Path]) -> dict[str, Path]:
+    """sha256 of each file -> the file."""
     out = {}
     for f in files:
         digest = hashlib.sha256()
