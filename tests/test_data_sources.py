@@ -163,3 +163,22 @@ def test_copies_and_hard_links_of_the_evaluation_text_are_refused(tmp_path: Path
     shutil.copytree(tmp_path / "a", tmp_path / "a-copy")
     with pytest.raises(OptcError, match="same data"):
         check_disjoint(str(tmp_path / "a-copy"), str(tmp_path / "a"))
+
+
+def test_evaluation_reads_datasets_sources(tmp_path: Path, default_tokenizer, tiny_checkpoint: Path) -> None:
+    from typer.testing import CliRunner
+
+    from optc.cli.main import app
+    from optc.evaluate.perplexity import evaluation_token_cache
+    from optc.evaluate.protocol import EvalProtocol
+
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"body": ROWS[:30]}),
+        "test": datasets.Dataset.from_dict({"body": ROWS[30:]}),
+    }).save_to_disk(str(tmp_path / "dd"))
+    protocol = EvalProtocol(dataset=str(tmp_path / "dd"), text_column="body")
+    ids = evaluation_token_cache(default_tokenizer, protocol.source(), use_cache=False)
+    assert torch.equal(ids, tokenize("\n\n".join(ROWS[30:]), default_tokenizer))  # the test split by default
+    result = CliRunner().invoke(app, ["eval", str(tiny_checkpoint), "--dataset", str(tmp_path / "dd"), "--split", "train",
+                                      "--text-column", "body", "--seqlen", "16", "--windows", "2", "--no-cache", "--json", "-q"])
+    assert result.exit_code == 0, result.output

@@ -71,7 +71,7 @@ OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Outpu
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.", metavar=FLAG)]
 DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", help="Calibration text: builtin, wikitext2, c4, a .txt/.jsonl/.parquet/.arrow/.csv/.json file or folder, a save_to_disk directory, or a hub dataset id.")]
 TextColumnOpt = Annotated[Optional[str], typer.Option("--text-column", help="Column of --dataset to read (default: text, else messages; conversations are rendered with the model's chat template).")]
-SplitOpt = Annotated[Optional[str], typer.Option("--split", help="Split of --dataset to read (default: train).")]
+SplitOpt = Annotated[Optional[str], typer.Option("--split", help="Split of --dataset to read (default: train for calibration, test or validation for optc eval).")]
 DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", autocompletion=completing(lambda: ["auto", "bfloat16", "float16", "float32"]), help="Stored dtype of the tensors that are not quantized: float16, bfloat16, float32 or auto (default: the source's; bfloat16 for a GGUF source).")]
 SamplesOpt = Annotated[Optional[int], typer.Option("--samples", help="Calibration samples.")]
 SeqlenOpt = Annotated[Optional[int], typer.Option("--seqlen", help="Tokens per calibration sample.")]

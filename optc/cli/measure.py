@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from optc.cli.app import (
-    FLAG, LATENCY, PROTOCOL, DeviceOpt, GateOpt, JsonOpt, OutputOpt, OverwriteOpt, QuietOpt, app, console,
+    FLAG, LATENCY, PROTOCOL, DeviceOpt, GateOpt, SplitOpt, TextColumnOpt, JsonOpt, OutputOpt, OverwriteOpt, QuietOpt, app, console,
     finish, handle_errors, pick_device, progress_bars, recipes_app,
 )
 from optc.errors import OptcError
@@ -25,6 +25,7 @@ def eval_(
     model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory, hub id, .gguf file, or built-in name.")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="Compare against this model.")] = None,
     dataset: Annotated[str, typer.Option("--dataset", help="Evaluation text: builtin, wikitext2, c4, or a path.")] = PROTOCOL.dataset,
+    split: SplitOpt = None, text_column: TextColumnOpt = None,
     seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per window.")] = PROTOCOL.seqlen,
     windows: Annotated[Optional[int], typer.Option("--windows", help=f"Evaluate the first N windows (default {PROTOCOL.windows}, as recipes do; --all-windows for the whole text).")] = None,
     all_windows: Annotated[bool, typer.Option("--all-windows", help="Evaluate every window of the text.", metavar=FLAG)] = False,
@@ -48,7 +49,7 @@ def eval_(
 
     if all_windows and windows is not None:
         raise OptcError("--windows and --all-windows exclude each other")
-    protocol = EvalProtocol(dataset=dataset, seqlen=seqlen, stride=stride, batch_size=batch_size,
+    protocol = EvalProtocol(dataset=dataset, split=split, text_column=text_column, seqlen=seqlen, stride=stride, batch_size=batch_size,
                             windows=None if all_windows else (windows or PROTOCOL.windows))
     timing = LatencyOptions(kernel=kernel, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats, threads=threads)
     task_list = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None

@@ -153,7 +153,7 @@ def _run_recipe(
     cfg = recipe.evaluation
     tokens = None
     if cfg is not None and is_main_process():
-        tokens = evaluation_token_cache(loaded.tokenizer, cfg.dataset)
+        tokens = evaluation_token_cache(loaded.tokenizer, cfg.source())
         if cfg.baseline:
             # Recovering a compressed checkpoint: its teacher is the uncompressed baseline.
             base_model = teacher if report["baseline"] is not None else model

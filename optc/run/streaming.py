@@ -350,9 +350,9 @@ def evaluate_streaming(source_name: str | None, baseline: str | None, opts: Eval
     timings, metrics = report.setdefault("timings", {}), report["metrics"]
     tokenizer = loaded["model"][3]
     with timed(timings, "tokenize"):
-        tokens = evaluation_token_cache(tokenizer, opts.protocol.dataset, opts.cache)
+        tokens = evaluation_token_cache(tokenizer, opts.protocol.source(), opts.cache)
     if baseline is not None:
-        check_same_tokenizer(tokenizer, loaded["baseline"][3], load_text(opts.protocol.dataset, "evaluation")[:4000],
+        check_same_tokenizer(tokenizer, loaded["baseline"][3], load_text(opts.protocol.source(), "evaluation", tokenizer)[:4000],
                              (source_name or DEFAULT_MODEL, baseline))
     results, stats = {}, {}
     with timed(timings, "perplexity"):
