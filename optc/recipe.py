@@ -56,6 +56,14 @@ class ExportConfig(BaseModel):
 
     format: str = Field("dense", description="export format: a registered format name (optc.export.formats)")
     max_shard_size: str = "2GB"
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="dtype of the tensors that are not quantized (and of dense weights); auto: "
+        "the source model's dtype, bfloat16 for a GGUF source (dequantized to float32 on load)",
+    )
+    embedding_bits: Literal[16, 8] = Field(
+        16, description="8: store the input embedding in 8 bits where the format and its runtime hold "
+        "it (GGUF Q8_0); other formats refuse it before any calibration",
+    )
     sparsity_metadata: bool = Field(
         True, description="pruned models: add compressed-tensors' sparsity_config to config.json"
     )

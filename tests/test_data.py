@@ -92,7 +92,7 @@ def test_txt_and_jsonl(tmp_path: Path, default_tokenizer) -> None:
 def test_check_disjoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     a, b = tmp_path / "a.txt", tmp_path / "b.txt"
     a.write_text("x")
-    b.write_text("x")
+    b.write_text("y")
     check_disjoint(str(a), str(b))
     check_disjoint("builtin", "builtin")  # named sources split by role
     with pytest.raises(OptcError, match="same file"):

@@ -28,7 +28,7 @@ app = typer.Typer(
     name="optc",
     help="Compress Hugging Face causal LMs (RTN, GPTQ, AWQ, INT8, pruning) into checkpoints real runtimes load.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # optc --install-completion / --show-completion
     pretty_exceptions_enable=False,
 )
 recipes_app = typer.Typer(help="List, show and validate recipes.", invoke_without_command=True)
@@ -41,25 +41,52 @@ err_console = Console(stderr=True)
 PROTOCOL = EvalProtocol()
 LATENCY = LatencyOptions()
 
+# typer shows a value type for every option ("<bool>" too); a flag takes no value, so its type
+# column stays empty and --help reads it as the flag it is.
+FLAG = ""
+
+
+def completing(choices: Callable[[], Any]) -> Callable[[str], list[str]]:
+    """Shell completion of an option's values from a registry, read when the shell asks."""
+    return lambda incomplete: [c for c in choices() if c.startswith(incomplete)]
+
+
+def _recipe_names() -> list[str]:
+    from optc.recipe import builtin_recipes
+
+    return sorted(n.removesuffix(".yaml") for n in builtin_recipes())
+
+
+def _format_names() -> list[str]:
+    from optc.export.formats import FORMATS
+
+    return list(FORMATS)
+
+
+complete_recipe = completing(_recipe_names)
+
 # Options shared by every command, with one meaning everywhere.
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="HF directory, hub id, .gguf file, or 'smollm2-135m' (default).")]
 OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (written atomically).")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.")]
-DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", help="Calibration text: builtin, wikitext2, c4, or a .txt/.jsonl path.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.", metavar=FLAG)]
+DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", help="Calibration text: builtin, wikitext2, c4, a .txt/.jsonl/.parquet/.arrow/.csv/.json file or folder, a save_to_disk directory, or a hub dataset id.")]
+TextColumnOpt = Annotated[Optional[str], typer.Option("--text-column", help="Column of --dataset to read (default: text, else messages; conversations are rendered with the model's chat template).")]
+SplitOpt = Annotated[Optional[str], typer.Option("--split", help="Split of --dataset to read (default: train for calibration, test or validation for optc eval).")]
+DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", autocompletion=completing(lambda: ["auto", "bfloat16", "float16", "float32"]), help="Stored dtype of the tensors that are not quantized: float16, bfloat16, float32 or auto (default: the source's; bfloat16 for a GGUF source).")]
 SamplesOpt = Annotated[Optional[int], typer.Option("--samples", help="Calibration samples.")]
 SeqlenOpt = Annotated[Optional[int], typer.Option("--seqlen", help="Tokens per calibration sample.")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed for sampling and any randomness.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda, or auto.")]
 EvalDatasetOpt = Annotated[Optional[str], typer.Option("--eval-dataset", help="Evaluation text (never used for calibration).")]
 WindowsOpt = Annotated[Optional[int], typer.Option("--windows", help="Evaluate the first N windows only.")]
-NoEvalOpt = Annotated[bool, typer.Option("--no-eval", help="Skip perplexity evaluation.")]
-TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repository.")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", help=f"Export format: {format_help()}.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.")]
+NoEvalOpt = Annotated[bool, typer.Option("--no-eval", help="Skip perplexity evaluation.", metavar=FLAG)]
+TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model code from the model repository.", metavar=FLAG)]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", help=f"Export format: {format_help()}.", autocompletion=completing(_format_names))]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.", metavar=FLAG)]
 GateOpt = Annotated[Optional[list[str]], typer.Option("--gate", help="CI gate, e.g. 'ppl_increase<=5%' (repeatable); a failed gate exits with code 3 after the report is written.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; print only errors and failed gates.")]
-ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from the layers it saved beside --output (same checkpoint as an uninterrupted run).")]
-StreamingOpt = Annotated[bool, typer.Option("--streaming", help="Read one decoder layer at a time from the safetensors shards (models larger than memory; default: when the model does not fit).")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; print only errors and failed gates.", metavar=FLAG)]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from the layers it saved beside --output (same checkpoint as an uninterrupted run).", metavar=FLAG)]
+StreamingOpt = Annotated[bool, typer.Option("--streaming", help="Read one decoder layer at a time from the safetensors shards (models larger than memory; default: when the model does not fit).", metavar=FLAG)]
 
 
 def _version(value: bool) -> None:
@@ -70,8 +97,8 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.")] = False,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress details.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Show the version and exit.", metavar=FLAG)] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log progress details.", metavar=FLAG)] = False,
 ) -> None:
     logging.basicConfig(
         level=logging.INFO if verbose else logging.WARNING,
@@ -164,7 +191,7 @@ def _print_report(report: dict, as_json: bool) -> None:
         console.print(f"parameters: {metrics['parameters']:,} ({metrics['nonzero']:,} non-zero)")
     ck = report.get("checkpoint")
     if ck:
-        console.print(f"wrote [bold]{ck['path']}[/] ({ck['format']}, {ck['bytes'] / 2**20:.1f} MiB): report.json, report.md, recipe.yaml")
+        console.print(f"wrote [bold]{ck['path']}[/] ({ck['format']}, {ck['bytes'] / 2**20:.1f} MiB): README.md (model card), report.json, report.md, recipe.yaml")
     _print_details(report)
 
 
@@ -192,11 +219,17 @@ def finish(report: dict, as_json: bool, quiet: bool) -> None:
         raise typer.Exit(GATE_EXIT_CODE)
 
 
-def common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming: bool = False) -> dict:
+def common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming: bool = False, *,
+                     text_column: str | None = None, split: str | None = None, dtype: str | None = None) -> dict:
     return {
         "calibration.streaming": True if streaming else None,
         "model": model,
         "calibration.dataset": dataset,
+        # --dataset replaces the recipe's calibration source, a mix included.
+        "calibration.mix": [] if dataset is not None else None,
+        "calibration.text_column": text_column,
+        "calibration.split": split,
+        "export.dtype": dtype,
         "calibration.samples": samples,
         "calibration.seqlen": seqlen,
         "calibration.seed": seed,

@@ -7,9 +7,10 @@ from typing import Annotated, Any, Optional
 import typer
 
 from optc.cli.app import (
-    DatasetOpt, DeviceOpt, EvalDatasetOpt, FormatOpt, GateOpt, JsonOpt, ModelOpt, NoEvalOpt, OutputOpt,
-    OverwriteOpt, QuietOpt, ResumeOpt, SamplesOpt, SeedOpt, SeqlenOpt, StreamingOpt, TrustOpt, WindowsOpt,
-    app, common_overrides, handle_errors, run_command,
+    DatasetOpt, DeviceOpt, DtypeOpt, EvalDatasetOpt, FormatOpt, GateOpt, JsonOpt, ModelOpt, NoEvalOpt, OutputOpt,
+    OverwriteOpt, QuietOpt, ResumeOpt, SamplesOpt, SeedOpt, SeqlenOpt, SplitOpt, StreamingOpt, TextColumnOpt, TrustOpt,
+    WindowsOpt,
+    FLAG, app, common_overrides, complete_recipe, completing, handle_errors, run_command,
 )
 from optc.errors import OptcError
 from optc.methods import METHODS, methods_of_kind
@@ -18,15 +19,16 @@ from optc.methods import METHODS, methods_of_kind
 @app.command()
 @handle_errors
 def run(
-    recipe: Annotated[str, typer.Argument(help="Built-in recipe name or YAML path.")],
+    recipe: Annotated[str, typer.Argument(help="Built-in recipe name or YAML path.", autocompletion=complete_recipe)],
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
-    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
+    device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
 ) -> None:
     """Run a whole multi-stage recipe: compress, evaluate, export, report."""
-    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming)
+    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming, text_column=text_column, split=split, dtype=dtype)
     run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume)
 
 
@@ -70,13 +72,14 @@ def _first_stage(recipe: str, kind: str, flags: dict[str, Any], fields: tuple[st
 @handle_errors
 def quantize(
     recipe: Annotated[str, typer.Option("--recipe", "-r", help="Built-in recipe name or YAML path.")] = "w4a16-rtn.yaml",
-    method: Annotated[Optional[str], typer.Option("--method", help=f"Method of the recipe's first quantize stage: {', '.join(methods_of_kind('quantize'))}.")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", autocompletion=completing(lambda: methods_of_kind("quantize")), help=f"Method of the recipe's first quantize stage: {', '.join(methods_of_kind('quantize'))}.")] = None,
     bits: Annotated[Optional[int], typer.Option("--bits", help="Weight bits (2-8) of the recipe's first quantize stage.")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="Input columns per scale of the recipe's first quantize stage.")] = None,
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
-    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
+    device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
 ) -> None:
     """Quantize weights with a recipe (default: 4-bit round-to-nearest); --method, --bits and
@@ -84,7 +87,7 @@ def quantize(
     known = methods_of_kind("quantize")
     if method is not None and method not in known:
         raise OptcError(f"unknown quantization method {method!r} (expected {', '.join(known)})")
-    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming)
+    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming, text_column=text_column, split=split, dtype=dtype)
     i = _first_stage(recipe, "quantize", {"--method": method, "--bits": bits, "--group-size": group_size})
     if i is not None:
         overrides.update({f"stages.{i}.type": method, f"stages.{i}.scheme.bits": bits, f"stages.{i}.scheme.group_size": group_size})
@@ -95,14 +98,15 @@ def quantize(
 @handle_errors
 def prune(
     recipe: Annotated[Optional[str], typer.Option("--recipe", "-r", help="Built-in recipe name or YAML path.")] = None,
-    method: Annotated[Optional[str], typer.Option("--method", help=f"Pruning score: {', '.join(_prune_methods())} (default magnitude); with --recipe, the method of its first prune stage taking --pattern/--sparsity.")] = None,
+    method: Annotated[Optional[str], typer.Option("--method", autocompletion=completing(_prune_methods), help=f"Pruning score: {', '.join(_prune_methods())} (default magnitude); with --recipe, the method of its first prune stage taking --pattern/--sparsity.")] = None,
     pattern: Annotated[Optional[str], typer.Option("--pattern", help="N:M pattern, e.g. 2:4 (with --recipe: of its first prune stage taking --pattern/--sparsity).")] = None,
     sparsity: Annotated[Optional[float], typer.Option("--sparsity", help="Unstructured sparsity in [0, 1) (with --recipe: of its first prune stage taking --pattern/--sparsity).")] = None,
     structured: Annotated[Optional[str], typer.Option("--structured", help="Remove heads / MLP channels, e.g. heads=0.25,mlp=0.3 (also kv_heads=); with --recipe: its structured stage.")] = None,
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
-    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
+    device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False,
 ) -> None:
     """Prune weights: unstructured (--sparsity), N:M (--pattern 2:4) or structured (--structured);
@@ -111,7 +115,7 @@ def prune(
     if method is not None and method not in known:
         expected = f"{', '.join(known[:-1])} or {known[-1]}" if len(known) > 1 else ", ".join(known)
         raise OptcError(f"unknown pruning method {method!r} (expected {expected})")
-    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
+    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, text_column=text_column, split=split, dtype=dtype)
     parts = _parse_structured(structured) if structured is not None else None
     stages = None
     if recipe is None:
@@ -151,15 +155,16 @@ def recover(
     temperature: Annotated[Optional[float], typer.Option("--temperature", help="Distillation temperature.")] = None,
     batch_size: Annotated[Optional[int], typer.Option("--batch-size", help="Sequences per step.")] = None,
     target: Annotated[Optional[list[str]], typer.Option("--target", help="Regex of Linears to adapt (repeatable).")] = None,
-    gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in the backward pass.")] = None,
+    gradient_checkpointing: Annotated[Optional[bool], typer.Option("--gradient-checkpointing/--no-gradient-checkpointing", help="Recompute activations in the backward pass.", metavar=FLAG)] = None,
     save_every: Annotated[Optional[int], typer.Option("--save-every", help="Save resumable state every N steps (0: never).")] = None,
     state_dir: Annotated[Optional[str], typer.Option("--state-dir", help="Where the resumable state lives (default: beside --output).")] = None,
-    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last saved step.")] = False,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last saved step.", metavar=FLAG)] = False,
     export_mode: Annotated[Optional[str], typer.Option("--export", help="merge (fold into the weights, same grid) or adapter (peft adapter beside the checkpoint).")] = None,
     output: OutputOpt = None, overwrite: OverwriteOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
-    fmt: FormatOpt = None, device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
+    fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
+    device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False,
 ) -> None:
     """Recover accuracy with a LoRA fine-tune distilled from the float model; masks and grids are kept."""
@@ -173,7 +178,7 @@ def recover(
     if index is None:
         raise OptcError(f"recipe {recipe}: has no recover stage (use optc run for other recipes)")
     fmt = fmt or quantized_format(model)  # a quantized checkpoint stays in its format
-    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt)
+    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, text_column=text_column, split=split, dtype=dtype)
     fields = {
         "teacher": teacher, "steps": steps, "tokens": tokens, "max_minutes": max_minutes, "lr": lr,
         "rank": rank, "alpha": alpha, "loss": loss, "kd_weight": kd_weight, "temperature": temperature,

@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 
 from optc.cli.app import (
-    LATENCY, PROTOCOL, GateOpt, JsonOpt, OutputOpt, OverwriteOpt, QuietOpt, app, console,
-    finish, handle_errors, progress_bars, recipes_app,
+    FLAG, LATENCY, PROTOCOL, DeviceOpt, GateOpt, SplitOpt, TextColumnOpt, JsonOpt, OutputOpt, OverwriteOpt, QuietOpt, app, console,
+    finish, handle_errors, pick_device, progress_bars, recipes_app,
 )
 from optc.errors import OptcError
 from optc.evaluate.protocol import KERNEL_CHOICES, EvalProtocol, LatencyOptions
@@ -25,35 +25,38 @@ def eval_(
     model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory, hub id, .gguf file, or built-in name.")] = None,
     baseline: Annotated[Optional[str], typer.Option("--baseline", help="Compare against this model.")] = None,
     dataset: Annotated[str, typer.Option("--dataset", help="Evaluation text: builtin, wikitext2, c4, or a path.")] = PROTOCOL.dataset,
+    split: SplitOpt = None, text_column: TextColumnOpt = None,
     seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per window.")] = PROTOCOL.seqlen,
     windows: Annotated[Optional[int], typer.Option("--windows", help=f"Evaluate the first N windows (default {PROTOCOL.windows}, as recipes do; --all-windows for the whole text).")] = None,
-    all_windows: Annotated[bool, typer.Option("--all-windows", help="Evaluate every window of the text.")] = False,
+    all_windows: Annotated[bool, typer.Option("--all-windows", help="Evaluate every window of the text.", metavar=FLAG)] = False,
     stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride (default: seqlen).")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward.")] = PROTOCOL.batch_size,
     output: OutputOpt = None, overwrite: OverwriteOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False,
-    latency: Annotated[bool, typer.Option("--latency", help="Time prefill and decode (batch 1, CPU) on low-precision kernels; against --baseline too.")] = False,
+    latency: Annotated[bool, typer.Option("--latency", help="Time prefill and decode (batch 1, CPU) on low-precision kernels; against --baseline too.", metavar=FLAG)] = False,
     kernel: Annotated[str, typer.Option("--kernel", help=f"Latency kernels: {', '.join(KERNEL_CHOICES)}.")] = LATENCY.kernel,
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Latency: prompt length.")] = LATENCY.prompt_tokens,
     new_tokens: Annotated[int, typer.Option("--new-tokens", help="Latency: tokens decoded per run.")] = LATENCY.new_tokens,
     repeats: Annotated[int, typer.Option("--repeats", help="Latency: timed runs per model.")] = LATENCY.repeats,
     threads: Annotated[Optional[int], typer.Option("--threads", help="Latency: torch threads (default: torch's).")] = None,
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="lm-eval-harness tasks, comma-separated (needs lm-eval and its data).")] = None,
-    no_cache: Annotated[bool, typer.Option("--no-cache", help="Tokenize the evaluation text again instead of using the disk cache.")] = False,
-    streaming: Annotated[bool, typer.Option("--streaming", help="Layer-major evaluation, one decoder layer in memory at a time (perplexity and size; models larger than memory).")] = False,
+    no_cache: Annotated[bool, typer.Option("--no-cache", help="Tokenize the evaluation text again instead of using the disk cache.", metavar=FLAG)] = False,
+    device: DeviceOpt = "cpu",
+    streaming: Annotated[bool, typer.Option("--streaming", help="Layer-major evaluation, one decoder layer in memory at a time (perplexity and size; models larger than memory).", metavar=FLAG)] = False,
 ) -> None:
     """Perplexity with a 95% interval, KL and top-1 agreement against --baseline, size, latency; gates for CI."""
     from optc.run.pipeline import evaluate_model
 
     if all_windows and windows is not None:
         raise OptcError("--windows and --all-windows exclude each other")
-    protocol = EvalProtocol(dataset=dataset, seqlen=seqlen, stride=stride, batch_size=batch_size,
+    protocol = EvalProtocol(dataset=dataset, split=split, text_column=text_column, seqlen=seqlen, stride=stride, batch_size=batch_size,
                             windows=None if all_windows else (windows or PROTOCOL.windows))
     timing = LatencyOptions(kernel=kernel, prompt_tokens=prompt_tokens, new_tokens=new_tokens, repeats=repeats, threads=threads)
     task_list = [t.strip() for t in tasks.split(",") if t.strip()] if tasks else None
     report = evaluate_model(
         model, protocol, baseline=baseline, output=output, overwrite=overwrite, progress=progress_bars(quiet),
         gates=gate, latency=timing if latency else None, tasks=task_list, cache=not no_cache, streaming=streaming,
+        device=pick_device(device),
     )
     finish(report, as_json, quiet)
 
@@ -63,7 +66,8 @@ def eval_(
 def report_(
     reports: Annotated[Optional[list[str]], typer.Argument(help="report.json files or directories holding one (any optc command's).")] = None,
     markdown: Annotated[Optional[Path], typer.Option("--markdown", help="Also write the comparison table to this Markdown file.")] = None,
-    schema: Annotated[bool, typer.Option("--schema", help="Print the JSON Schema of report.json and exit.")] = False,
+    schema: Annotated[bool, typer.Option("--schema", help="Print the JSON Schema of report.json and exit.", metavar=FLAG)] = False,
+    card: Annotated[bool, typer.Option("--card", help="Regenerate the model card (README.md) of each checkpoint directory given, from its report.json and recipe.yaml.", metavar=FLAG)] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Compare runs side by side: one column per report.json."""
@@ -75,6 +79,14 @@ def report_(
         return
     if not reports:
         raise OptcError("optc report needs at least one report.json (or a directory holding one)")
+    if card:
+        from optc.run.card import write_model_card
+
+        for name in reports:
+            path = Path(name).expanduser()
+            written = write_model_card(path.parent if path.is_file() else path)
+            console.print(f"wrote [bold]{written}[/]")
+        return
     labels, loaded = load_reports(reports)
     rows = comparison_rows(loaded)
     if as_json:
@@ -126,7 +138,7 @@ def export(
     fmt: Annotated[str, typer.Option("--format", help=f"Target format. {format_help(descriptions=True)}.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (written atomically).")],
     overwrite: OverwriteOpt = False,
-    requantize: Annotated[bool, typer.Option("--requantize", help="GGUF: round grids the block type cannot hold again (lossy).")] = False,
+    requantize: Annotated[bool, typer.Option("--requantize", help="GGUF: round grids the block type cannot hold again (lossy).", metavar=FLAG)] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert a checkpoint to another format, re-packing its quantization grid (no calibration)."""

@@ -224,7 +224,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(f"{type(tokenizer).__name__}\n{text}".encode()).hexdigest()[:20]
 
 
-def evaluation_token_cache(tokenizer, dataset: str, use_cache: bool = True) -> torch.Tensor:
+def evaluation_token_cache(tokenizer, dataset, use_cache: bool = True) -> torch.Tensor:
     """:func:`optc.data.evaluation_tokens`, cached on disk under ``$OPTC_CACHE/tokens``.
 
     The key is the tokenizer fingerprint and the sha256 of the text, so an edited file or a
@@ -233,7 +233,8 @@ def evaluation_token_cache(tokenizer, dataset: str, use_cache: bool = True) -> t
     from optc.data import load_text, tokenize
     from optc.model.load import cache_dir
 
-    text = load_text(dataset, "evaluation")
+    # dataset: a name/path or an optc.data.DataSource; conversations render with the chat template.
+    text = load_text(dataset, "evaluation", tokenizer)
     if not use_cache:
         return tokenize(text, tokenizer)
     text_hash = hashlib.sha256(text.encode("utf-8")).hexdigest()[:20]

@@ -20,11 +20,21 @@ class EvalProtocol(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    dataset: str = Field("builtin", description="evaluation text: builtin, wikitext2, c4, or a .txt/.jsonl path")
+    dataset: str = Field("builtin", description="evaluation text: builtin, wikitext2, c4, a .txt/.jsonl path, or a "
+                         "datasets source (parquet/arrow/CSV/JSON file or folder, save_to_disk directory, hub id)")
+    split: str | None = Field(None, description="split of a datasets source (default: test, else validation)")
+    text_column: str | None = Field(None, description="column of a datasets source (default: text, else messages)")
     seqlen: int = Field(512, gt=0, description="tokens per window")
     windows: int | None = Field(16, gt=0, description="first N windows; null means all")
     stride: int | None = Field(None, gt=0, description="sliding-window stride (null: seqlen)")
     batch_size: int = Field(1, gt=0, description="windows per forward")
+
+
+    def source(self):
+        """The evaluation text as an :class:`optc.data.DataSource`."""
+        from optc.data import DataSource
+
+        return DataSource(dataset=self.dataset, split=self.split, text_column=self.text_column)
 
 
 class LatencyOptions(BaseModel):

@@ -79,6 +79,7 @@ class SizeSection(_Strict):
     bits_per_weight: float | None  # 8 * weight_bytes / parameters
     linear_bits_per_weight: float | None  # the same over decoder Linears (codes + scales)
     compression_ratio: float | None  # float16 bytes / weight_bytes
+    dtype: str | None = None  # the dtype unquantized tensors were stored in (export.dtype)
 
 
 class LatencyRun(_Strict):
@@ -350,6 +351,8 @@ def summary_lines(report: dict) -> list[str]:
             parts.append(f"compression {sz['compression_ratio']:.2f}x vs float16")
         if sz.get("bytes_on_disk") is not None:
             parts.append(f"{sz['bytes_on_disk'] / 2**20:.1f} MiB on disk")
+        if sz.get("dtype"):
+            parts.append(f"unquantized tensors in {sz['dtype']}")
         out.append("Size: " + ", ".join(parts))
     lat = m.get("latency")
     if lat:

@@ -83,12 +83,12 @@ def run_evaluation(
         raise OptcError("--prompt-tokens, --new-tokens and --repeats must be at least 1")
 
     with timed(timings, "tokenize"):
-        tokens = evaluation_token_cache(loaded.tokenizer, opts.protocol.dataset, opts.cache)
+        tokens = evaluation_token_cache(loaded.tokenizer, opts.protocol.source(), opts.cache)
     if baseline is not None:
         from optc.data import load_text
 
         check_same_tokenizer(loaded.tokenizer, baseline.tokenizer,
-                             load_text(opts.protocol.dataset, "evaluation")[:4000], (loaded.source, baseline.source))
+                             load_text(opts.protocol.source(), "evaluation", loaded.tokenizer)[:4000], (loaded.source, baseline.source))
 
     with timed(timings, "perplexity"):
         res = evaluate_windows(

@@ -247,4 +247,22 @@ AWQ = Format(
     bits_per_weight=_bits_per_weight,
     one_scheme=True,
     needs_quantized=True,
+    usage="""transformers (with an AWQ kernel package installed):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{path}")
+tokenizer = AutoTokenizer.from_pretrained("{path}")
+```
+
+vLLM (AWQ kernels, from config.json):
+
+```python
+from vllm import LLM
+
+llm = LLM(model="{path}")
+print(llm.generate("The capital of France is")[0].outputs[0].text)
+```
+""",
 )

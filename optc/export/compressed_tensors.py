@@ -131,6 +131,24 @@ COMPRESSED_TENSORS = Format(
     describe=_describe,
     bits_per_weight=_bits_per_weight,
     needs_quantized=True,
+    usage="""transformers (with the `compressed-tensors` package installed):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{path}")
+tokenizer = AutoTokenizer.from_pretrained("{path}")
+```
+
+vLLM (reads the quantization from config.json):
+
+```python
+from vllm import LLM
+
+llm = LLM(model="{path}")
+print(llm.generate("The capital of France is")[0].outputs[0].text)
+```
+""",
     holds_activations=True,
     sparsity_metadata=True,
     quantized=_quantized,

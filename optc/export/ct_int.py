@@ -36,7 +36,7 @@ from optc.export.ct_pack import (
 )
 from optc.export.ct_pack import FORMAT as PACK_FORMAT
 from optc.export.files import quantization_config
-from optc.export.packing import regroup, splice, write_weights
+from optc.export.packing import regroup, scales_in_dtype, splice, write_weights
 from optc.export.source import ExportSource, ModelSource
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ def write_int(src: ExportSource, directory: Path, *, max_shard_bytes: int = DEFA
         key = (p.scheme.bits, p.scheme.symmetric, p.scheme.group_size, act_key)
         groups.setdefault(key, []).append(name)
 
+    scales_in_dtype(compressed, src.dtype)
     files = write_weights(splice(src, compressed), directory, max_shard_bytes)
 
     config_groups = {}

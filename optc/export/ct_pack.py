@@ -30,6 +30,7 @@ from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequant
 from optc.errors import OptcError
 from optc.export.files import quantization_config, write_config
 from optc.export.packing import (
+    scales_in_dtype,
     even_group_size,
     fit_group_size,
     grid_codes,
@@ -266,6 +267,7 @@ def write_pack(
             regrouped[name] = key[2]
         groups.setdefault(key, []).append(name)
 
+    scales_in_dtype(packed, src.dtype)
     files = write_weights(splice(src, packed), directory, max_shard_bytes)
     config_groups = write_pack_config(src, groups, directory)
     summary = {

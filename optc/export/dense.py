@@ -64,4 +64,22 @@ DENSE = Format(
     describe=lambda path: describe_safetensors(path, {"format": NAME}),
     bits_per_weight=lambda scheme, in_features: None,  # stored as in memory
     sparsity_metadata=True,
+    usage="""Plain transformers (any version):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{path}")
+tokenizer = AutoTokenizer.from_pretrained("{path}")
+```
+
+vLLM:
+
+```python
+from vllm import LLM
+
+llm = LLM(model="{path}")
+print(llm.generate("The capital of France is")[0].outputs[0].text)
+```
+""",
 )

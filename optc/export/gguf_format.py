@@ -296,13 +296,15 @@ def plan_gguf(src: ExportSource, qtype: str, requantize: bool = False) -> dict[s
     return plan
 
 
-def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: bool = False) -> dict:
+def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: bool = False,
+                      embedding_bits: int = 16) -> dict:
     """Write ``src`` as one GGUF file of type ``qtype`` (``q4_0``, ``q8_0`` or ``f16``), its
     tokenizer inside.
 
     Decoder Linears with an optc grid that fits the block type are stored exactly; float Linears
     are rounded by gguf's reference quantizer (plain round-to-nearest); a grid that does not fit is
-    refused unless ``requantize``. Embeddings and an untied output head stay float16, norms float32.
+    refused unless ``requantize``. Embeddings and an untied output head stay float16 (the input
+    embedding Q8_0 with ``embedding_bits=8``: llama.cpp reads its rows quantized), norms float32.
     """
     import gguf
     import torch
@@ -343,7 +345,10 @@ def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: 
                 raise OptcError(f"GGUF export has no llama.cpp name for {key}")
             rows = heads if mod.endswith("q_proj") else kv_heads if mod.endswith("k_proj") else 0
             how = plan.get(mod) if leaf == "weight" else None
-            data, raw = _tensor_data(src.tensor(key), how, qtype, qparams.get(mod), mod)
+            if embedding_bits == 8 and base == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD]:
+                data, raw = _q8_embedding(src.tensor(key), key)
+            else:
+                data, raw = _tensor_data(src.tensor(key), how, qtype, qparams.get(mod), mod)
             if permute and rows:
                 data = permute_rotary_rows(data, rows)
             writer.add_tensor(f"{base}.{leaf}", data, raw_dtype=raw)
@@ -377,6 +382,16 @@ def write_gguf(
 ) -> dict:
     """:func:`write_gguf_source` of a model in memory."""
     return write_gguf_source(ModelSource(model, tokenizer, qparams or {}), path, qtype, requantize=requantize)
+
+
+def _q8_embedding(t: torch.Tensor, key: str):
+    """The input embedding as Q8_0 blocks (llama.cpp's quantizer: one scale per 32 weights)."""
+    import gguf
+
+    if t.shape[-1] % BLOCK:
+        raise OptcError(f"Q8_0 stores rows in {BLOCK}-weight blocks; {key} has {t.shape[-1]} columns")
+    kind = gguf.GGMLQuantizationType.Q8_0
+    return gguf.quants.quantize(t.detach().float().cpu().numpy(), kind), kind
 
 
 def _tensor_data(t: torch.Tensor, how: str | None, qtype: str, p: QuantParams | None, name: str = ""):
@@ -518,9 +533,10 @@ def _bits_per_weight(qtype: str, scheme: QuantScheme | None, in_features: int) -
 
 
 def _write(qtype: str, src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None,
-           requantize: bool = False) -> dict:
+           requantize: bool = False, embedding_bits: int = 16) -> dict:
     refuse_activations(src, f"gguf-{qtype}")
-    return write_gguf_source(src, Path(directory) / f"model-{qtype}.gguf", qtype, requantize=requantize)
+    return write_gguf_source(src, Path(directory) / f"model-{qtype}.gguf", qtype, requantize=requantize,
+                             embedding_bits=embedding_bits)
 
 
 _DESCRIPTIONS = {
@@ -528,6 +544,22 @@ _DESCRIPTIONS = {
     "q8_0": "one GGUF file of Q8_0 blocks (8-bit grids in 32-weight blocks kept exactly), loaded by llama.cpp",
     "f16": "one GGUF file of float16 weights, loaded by llama.cpp",
 }
+
+_USAGE = """llama.cpp:
+
+```sh
+llama-cli -m {path}/{file} -p "The capital of France is"
+```
+
+transformers (dequantizes to float on load):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{path}", gguf_file="{file}")
+tokenizer = AutoTokenizer.from_pretrained("{path}", gguf_file="{file}")
+```
+"""
 
 GGUF_FORMATS = tuple(
     Format(
@@ -539,6 +571,8 @@ GGUF_FORMATS = tuple(
         detect=functools.partial(_detect, qtype),
         describe=describe_gguf,
         bits_per_weight=functools.partial(_bits_per_weight, qtype),
+        usage=_USAGE,
+        embedding_8bit=None,
     )
     for qtype in GGUF_TYPES
 )

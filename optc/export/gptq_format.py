@@ -289,4 +289,22 @@ GPTQ = Format(
     bits_per_weight=_bits_per_weight,
     one_scheme=True,
     needs_quantized=True,
+    usage="""transformers (with `optimum` and `gptqmodel` installed):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("{path}")
+tokenizer = AutoTokenizer.from_pretrained("{path}")
+```
+
+vLLM (GPTQ kernels, from config.json):
+
+```python
+from vllm import LLM
+
+llm = LLM(model="{path}")
+print(llm.generate("The capital of France is")[0].outputs[0].text)
+```
+""",
 )

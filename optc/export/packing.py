@@ -251,6 +251,18 @@ def grid_codes(name: str, weight: torch.Tensor, p: QuantParams) -> torch.Tensor:
     return q
 
 
+def scales_in_dtype(packed: dict[str, dict[str, torch.Tensor]], dtype: torch.dtype | None) -> None:
+    """compressed-tensors' ``*_scale`` tensors in the checkpoint's declared dtype (in place): the
+    scales are made in the calibrated weight's dtype, which a stored dtype chosen below it
+    (bfloat16 from a float32 GGUF) does not change. A no-op when the two agree."""
+    if dtype is None or not dtype.is_floating_point:
+        return
+    for tensors in packed.values():
+        for leaf, t in tensors.items():
+            if leaf.endswith("_scale") and t.is_floating_point() and t.dtype != dtype:
+                tensors[leaf] = t.to(dtype)
+
+
 def splice(src, packed: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, Entry]:
     """The checkpoint's entries in state-dict order: each packed module's tensors where its
     ``weight`` was, every other tensor of ``src`` unchanged."""

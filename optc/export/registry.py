@@ -42,6 +42,14 @@ class Format:
     # Whether a checkpoint detect() claims holds quantized weights (from its config only);
     # None: exactly when needs_quantized.
     quantized: Callable[[Path], bool] | None = None
+    # How to load a checkpoint of this format, for its model card: Markdown with ``{path}`` (the
+    # directory or hub id) and ``{file}`` (the weights file, for one-file formats).
+    usage: str = ""
+    # Why the input embedding cannot be stored in 8 bits (export.embedding_bits: 8), or None
+    # when the format and its runtime hold it so (GGUF Q8_0 in llama.cpp); write() then takes
+    # embedding_bits=8.
+    embedding_8bit: str | None = ("its runtimes (vLLM, transformers) load quantized Linear layers only, "
+                                  "so the embedding stays 16-bit; GGUF stores it as Q8_0")
 
 
 # name -> Format, in registration order (built-ins first: optc.export.formats).

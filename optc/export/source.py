@@ -161,3 +161,68 @@ def refuse_activations(src: ExportSource, fmt: str) -> None:
 def save_tokenizer(src: ExportSource, directory: Any) -> None:
     if src.tokenizer is not None:
         src.tokenizer.save_pretrained(directory)
+
+
+class CastSource:
+    """An :class:`ExportSource` whose floating tensors read as ``dtype`` (the stored dtype the
+    recipe's ``export.dtype`` chose), except ``keep``: the quantized Linears' weights, which the
+    writer turns into codes on their grids and so must see exactly as calibrated. ``config`` is
+    a copy declaring ``dtype``, so config.json says what the files hold."""
+
+    def __init__(self, inner: ExportSource, dtype: torch.dtype, keep: set[str] | frozenset = frozenset()) -> None:
+        import copy
+
+        self.inner = inner
+        self.dtype = dtype
+        self.keep = set(keep)
+        self.config = copy.deepcopy(inner.config)
+        if self.config is not None:
+            self.config.dtype = dtype
+        self.tokenizer = inner.tokenizer
+        self.generation_config = inner.generation_config
+        self.head = inner.head
+        self.qparams = inner.qparams
+        self.input_quant = inner.input_quant
+        self.masks = inner.masks
+
+    def _casts(self, key: str, dtype: torch.dtype) -> bool:
+        return dtype.is_floating_point and dtype != self.dtype and key not in self.keep
+
+    def keys(self) -> list[str]:
+        return self.inner.keys()
+
+    def spec(self, key: str):
+        dtype, shape = self.inner.spec(key)
+        return (self.dtype if self._casts(key, dtype) else dtype), shape
+
+    def tensor(self, key: str):
+        t = self.inner.tensor(key)
+        return t.to(self.dtype) if self._casts(key, t.dtype) else t
+
+    def entry(self, key: str):
+        dtype, _ = self.inner.spec(key)
+        # A byte range on disk holds the old dtype: a cast tensor is loaded and converted.
+        return self.tensor(key) if self._casts(key, dtype) else self.inner.entry(key)
+
+    def linears(self) -> list[str]:
+        return self.inner.linears()
+
+    def module_type(self, name: str) -> str | None:
+        return self.inner.module_type(name)
+
+    def conv1d(self, module: str) -> bool:
+        return self.inner.conv1d(module)
+
+
+def stored_dtype(choice: str, source_dtype: str | None, from_gguf: bool, loaded: torch.dtype) -> torch.dtype:
+    """The dtype unquantized tensors are written in. ``auto``: the source's own dtype, except a
+    GGUF source, whose float32 comes only from dequantizing it (its weights were 4- to 16-bit):
+    bfloat16 then, which holds float32's range, so nothing overflows as float16 could."""
+    import torch
+
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if choice != "auto":
+        return names[choice]
+    if from_gguf:
+        return torch.bfloat16
+    return names.get(source_dtype or "", loaded)

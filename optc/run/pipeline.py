@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import time
 from pathlib import Path
@@ -25,11 +26,12 @@ from optc.export.checkpoint import check_free_space, check_output, directory_byt
 from optc.export.checkpoint import staged_output
 from optc.export.formats import check_schemes, get_format
 from optc.export.load import load_checkpoint as load_model
-from optc.export.source import ExportSource, ModelSource
+from optc.export.source import CastSource, ExportSource, ModelSource, stored_dtype
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
 from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.recipe import EvaluationConfig, Recipe
+from optc.run.card import write_model_card
 from optc.run.streaming import (
     baseline_perplexity,
     evaluate_streaming,
@@ -121,7 +123,7 @@ def _run_recipe(
     streaming = wants_streaming(recipe)
     torch.manual_seed(recipe.calibration.seed)
     if recipe.evaluation is not None:
-        check_disjoint(recipe.calibration.dataset, recipe.evaluation.dataset)
+        check_disjoint(recipe.calibration.datasets(), recipe.evaluation.dataset)
     # The source: the model in memory, or (streaming) on the meta device over the input's shards.
     reader = None
     if streaming:
@@ -151,7 +153,7 @@ def _run_recipe(
     cfg = recipe.evaluation
     tokens = None
     if cfg is not None and is_main_process():
-        tokens = evaluation_token_cache(loaded.tokenizer, cfg.dataset)
+        tokens = evaluation_token_cache(loaded.tokenizer, cfg.source())
         if cfg.baseline:
             # Recovering a compressed checkpoint: its teacher is the uncompressed baseline.
             base_model = teacher if report["baseline"] is not None else model
@@ -204,7 +206,9 @@ def _run_recipe(
                 if ws.adapter is not None:
                     restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
                     ws.adapter.base_model = str(output)
-                fmt = export_checkpoint(src, recipe.export.format, tmp, recipe.export.max_shard_size)
+                dtype = stored_dtype(recipe.export.dtype, loaded.source_dtype, loaded.from_gguf, model.dtype)
+                fmt = export_checkpoint(src, recipe.export.format, tmp, recipe.export.max_shard_size, dtype,
+                                        recipe.export.embedding_bits)
                 adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
                 if ws.masks and recipe.export.sparsity_metadata and get_format(recipe.export.format).sparsity_metadata:
                     write_sparsity_config(tmp, sparsity_config(ws.model, ws.masks))
@@ -213,8 +217,10 @@ def _run_recipe(
                 if adapter_files:
                     report["checkpoint"]["adapter"] = adapter_files
                 report["metrics"]["size"] = size_metrics(model, tmp, counts=counts)
+                report["metrics"]["size"]["dtype"] = str(dtype).removeprefix("torch.")
                 report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
                 write_report(report, tmp)
+                write_model_card(tmp, json.loads(json.dumps(report, default=str)))
         else:
             report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
     if ws.store is not None:
@@ -291,21 +297,32 @@ def _add_eval_details(report: dict, model: torch.nn.Module, layers: list[dict] |
     report["layers"] = layers if layers is not None else layer_statistics(model, *stage_layer_info(report["stages"]))
 
 
-def export_checkpoint(src: ExportSource, fmt: str, directory: Path, max_shard_size: str) -> str:
-    """Write ``src`` (the model in memory, or a streamed run's layers on disk) in ``fmt``;
-    returns the format name written."""
+def export_checkpoint(src: ExportSource, fmt: str, directory: Path, max_shard_size: str,
+                      dtype: torch.dtype | None = None, embedding_bits: int = 16) -> str:
+    """Write ``src`` (the model in memory, or a streamed run's layers on disk) in ``fmt``, its
+    unquantized tensors in ``dtype`` (None: as they are); returns the format name written."""
     target = get_format(fmt)
     if target.needs_quantized and not src.qparams:
         raise OptcError(
             f"export format {fmt} needs quantized weights; this recipe quantizes "
             "nothing (use format: dense)"
         )
-    return target.write(src, directory, max_shard_bytes=parse_size(max_shard_size))["format"]
+    if dtype is not None and dtype != src.dtype:
+        # A format that packs codes reads the quantized weights exactly as calibrated; one that
+        # stores weights as in memory (bits_per_weight None: dense) casts them like the rest.
+        packs = any(target.bits_per_weight(p.scheme, 64) is not None for p in src.qparams.values())
+        keep = {f"{name}.weight" for name in src.qparams} if packs else set()
+        src = CastSource(src, dtype, keep)
+    extra = {"embedding_bits": embedding_bits} if embedding_bits != 16 else {}  # only formats that hold it take it
+    return target.write(src, directory, max_shard_bytes=parse_size(max_shard_size), **extra)["format"]
 
 
 def check_recipe_export(recipe: Recipe) -> None:
     """Refuse, before any calibration, a recipe whose schemes its export format cannot hold."""
     check_schemes(recipe.export.format, declared_schemes(recipe.stages))
+    refusal = get_format(recipe.export.format).embedding_8bit
+    if recipe.export.embedding_bits == 8 and refusal is not None:
+        raise OptcError(f"export format {recipe.export.format}: embedding_bits 8 is refused: {refusal}")
 
 
 def parse_size(text: str) -> int:
@@ -334,13 +351,18 @@ def evaluate_model(
     tasks: list[str] | None = None,
     cache: bool = True,
     streaming: bool = False,
+    device: str = "cpu",
 ) -> dict:
     """Perplexity (on ``protocol``'s windows), KL to a baseline, size and latency (when
     ``latency`` is given) of a model, with a report (and gates).
 
     ``streaming`` evaluates layer-major, one decoder layer in memory at a time (perplexity and
-    size only), for models larger than memory.
+    size only), for models larger than memory. ``device``: where the models run (the windows
+    follow the model's device).
     """
+    if device != "cpu" and (latency is not None or streaming):
+        # Latency is batch-1 CPU timing by design, and the layer-major reader feeds CPU layers.
+        raise OptcError(f"--device {device}: {'--latency' if latency is not None else '--streaming'} runs on the CPU only")
     from optc.evaluate.gates import parse_gates
     from optc.evaluate.suite import EvalOptions, run_evaluation, timed
 
@@ -362,6 +384,9 @@ def evaluate_model(
     with timed(report["timings"], "load"):
         loaded = load_model(source)
         base = load_model(baseline) if baseline is not None else None
+        for m in (loaded, base):
+            if m is not None and device != "cpu":
+                m.model.to(device)
     report["model"], report["baseline"] = loaded.source, base.source if base is not None else None
     run_evaluation(loaded, base, opts, report, progress)
     if output is not None:

@@ -39,7 +39,7 @@ from optc.evaluate.report import stage_layer_info
 from optc.evaluate.streaming import streamed_perplexity
 from optc.model.safetensors_io import Lazy
 from optc.memory import limit_fragmentation
-from optc.model.load import DEFAULT_MODEL, DTYPES
+from optc.model.load import DEFAULT_MODEL, DTYPES, stored_dtype
 from optc.progress import NullProgress, Progress
 from optc.recipe import EvaluationConfig, Recipe
 from optc.methods import METHODS
@@ -246,7 +246,9 @@ def open_streamed(recipe: Recipe, trust_remote_code: bool) -> tuple[LoadedModel,
     if reader.qc is not None:
         raise OptcError(f"streaming compresses a float checkpoint; {model_dir} is already quantized")
     model = meta_model(model_dir, DTYPES[recipe.dtype], trust_remote_code)
-    loaded = LoadedModel(model, _tokenizer(model_dir, trust_remote_code), recipe.model or DEFAULT_MODEL, model_dir)
+    from_gguf = (recipe.model or DEFAULT_MODEL) == DEFAULT_MODEL  # the built-in model's cache is a GGUF's
+    loaded = LoadedModel(model, _tokenizer(model_dir, trust_remote_code), recipe.model or DEFAULT_MODEL, model_dir,
+                         source_dtype=stored_dtype(model_dir), from_gguf=from_gguf)
     return loaded, reader
 
 
@@ -348,9 +350,9 @@ def evaluate_streaming(source_name: str | None, baseline: str | None, opts: Eval
     timings, metrics = report.setdefault("timings", {}), report["metrics"]
     tokenizer = loaded["model"][3]
     with timed(timings, "tokenize"):
-        tokens = evaluation_token_cache(tokenizer, opts.protocol.dataset, opts.cache)
+        tokens = evaluation_token_cache(tokenizer, opts.protocol.source(), opts.cache)
     if baseline is not None:
-        check_same_tokenizer(tokenizer, loaded["baseline"][3], load_text(opts.protocol.dataset, "evaluation")[:4000],
+        check_same_tokenizer(tokenizer, loaded["baseline"][3], load_text(opts.protocol.source(), "evaluation", tokenizer)[:4000],
                              (source_name or DEFAULT_MODEL, baseline))
     results, stats = {}, {}
     with timed(timings, "perplexity"):
