@@ -16,6 +16,7 @@ used for both roles is refused by :func:`check_disjoint`.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 from pathlib import Path
@@ -52,6 +53,9 @@ def _builtin_text(role: Role) -> str:
 
 
 def _hf_text(name: str, role: Role) -> str:
+    from optc.network import require_hub
+
+    require_hub(f"dataset {name!r}", "use 'builtin' or a local .txt/.jsonl file instead")
     try:
         from datasets import load_dataset
 
@@ -74,24 +78,40 @@ def _hf_text(name: str, role: Role) -> str:
         ) from exc
 
 
+def _decoded(path: Path) -> str:
+    """The file as UTF-8 text; anything else is one line naming the file and the first bad byte."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise OptcError(f"dataset file {path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OptcError(
+            f"dataset file {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
+            "pass a UTF-8 .txt or .jsonl file"
+        ) from None
+    # Universal newlines, as reading the file in text mode gave (the token ids depend on them).
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def _file_text(path: Path) -> str:
     if not path.is_file():
         raise OptcError(f"dataset file not found: {path}")
     if path.suffix == ".jsonl":
         texts = []
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise OptcError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                    raise OptcError(f"{path}:{lineno}: expected an object with a 'text' string")
-                texts.append(record["text"])
+        for lineno, line in enumerate(io.StringIO(_decoded(path)), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise OptcError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                raise OptcError(f"{path}:{lineno}: expected an object with a 'text' string")
+            texts.append(record["text"])
         return "\n\n".join(texts)
-    return path.read_text(encoding="utf-8")
+    return _decoded(path)
 
 
 def load_text(dataset: str, role: Role) -> str:
@@ -105,6 +125,25 @@ def load_text(dataset: str, role: Role) -> str:
     if not text.strip():
         raise OptcError(f"dataset {dataset!r} is empty")
     return text
+
+
+def dataset_path(dataset: str) -> Path | None:
+    """The local file a dataset name points to (None for the named sources)."""
+    return None if dataset in NAMED else Path(dataset).expanduser()
+
+
+def check_dataset(dataset: str, role: Role, network: bool = True) -> None:
+    """Read a local dataset file now (missing, not UTF-8 text, malformed JSONL or empty: one line),
+    and with ``network``, refuse a named hub dataset that cannot be reached, before any model loads."""
+    if dataset == "builtin":
+        return
+    if dataset in NAMED:
+        if network:
+            from optc.network import require_hub
+
+            require_hub(f"dataset {dataset!r}", "use 'builtin' or a local .txt/.jsonl file instead")
+        return
+    load_text(dataset, role)
 
 
 def check_disjoint(calibration: str, evaluation: str) -> None:
