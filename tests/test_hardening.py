@@ -92,6 +92,16 @@ def test_overwrite_never_deletes_a_directory_holding_the_input(tree: Path) -> No
         assert why in _error_line(["export", tree / "m", "--format", "dense", "--output", out, "--overwrite"])
         assert _digest(tree) == before
     assert "contains the input" in _error_line(_quantize(tree / "m", tree.parent, "--force-overwrite"))
+    # Every input counts: the baseline of optc eval, the calibration and evaluation texts.
+    line = _error_line(["eval", tree / "m", "--baseline", tree / "m", "--output", tree / "m" / "r", "--overwrite"])
+    assert "inside the input model directory" in line
+    text = tree / "sub" / "calibration.txt"
+    text.write_text("some calibration text\n" * 50)
+    before = _digest(tree)
+    assert "contains the input calibration text file" in _error_line(
+        _quantize(tree / "m", tree / "sub", "--dataset", text, "--force-overwrite"))
+    assert "is the input evaluation text file" in _error_line(
+        ["eval", tree / "m", "--dataset", text, "--output", text, "--overwrite"])
     assert _digest(tree) == before
 
 
@@ -123,6 +133,8 @@ def test_overwrite_replaces_only_what_optc_wrote(tiny_checkpoint: Path, tmp_path
     assert (out / "recipe.yaml").is_file() and not (out / "precious.txt").exists()
     assert _invoke(_quantize(tiny_checkpoint, out, "--overwrite")).exit_code == 0  # optc's own: replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    (tmp_path / "empty").mkdir()
+    check_output(tmp_path / "empty", overwrite=True)  # an empty directory holds nothing to lose
 
 
 def test_a_second_run_to_the_same_output_is_refused(tiny_checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
@@ -427,3 +439,24 @@ def test_no_network_fails_at_once_in_one_line(tiny_checkpoint: Path, tmp_path: P
     line = _error_line(["eval", tiny_checkpoint, "--dataset", "wikitext2", "--windows", "1"])
     assert "dataset 'wikitext2'" in line and "local .txt/.jsonl" in line
     assert time.monotonic() - t0 < 20
+
+
+def test_a_failed_final_rename_puts_the_previous_output_back(tmp_path: Path, monkeypatch) -> None:
+    from optc.export.checkpoint import staged_output
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text("{}")
+    before = _digest(out)
+    rename = Path.rename
+
+    def tmp_cannot_move(self, target):
+        if self.name.startswith(".out.partial-"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", tmp_cannot_move)
+    with pytest.raises(OptcError, match="nothing was written"):
+        with staged_output(out, overwrite=True) as tmp:
+            (tmp / "model.safetensors").write_bytes(b"new")
+    assert _digest(out) == before and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -211,11 +211,15 @@ def output_lock(target: Path) -> Iterator[None]:
 
 
 def _leftovers(target: Path) -> list[Path]:
+    """Staging (``.NAME.partial-*``) and moved-aside (``.NAME.old-*``) directories and probe files
+    (``.NAME.probe-*``): names only optc gives, only to the paths of one output."""
     parent = target.absolute().parent
     if not parent.is_dir():
         return []
-    return sorted(p for pattern in (f".{target.name}.partial-*", f".{target.name}.old-*")
-                  for p in parent.glob(pattern) if p.is_dir() and not p.is_symlink())
+    dirs = [p for pattern in (f".{target.name}.partial-*", f".{target.name}.old-*")
+            for p in parent.glob(pattern) if p.is_dir() and not p.is_symlink()]
+    probes = [p for p in parent.glob(f".{target.name}.probe-*") if p.is_file()]
+    return sorted(dirs + probes)
 
 
 def clean_leftovers(target: Path) -> None:
@@ -223,6 +227,9 @@ def clean_leftovers(target: Path) -> None:
     live run can be writing them. A run killed between moving the old output aside and moving the
     new one in leaves the old one in ``.NAME.old-*/x``: it is put back, as if that run never ran."""
     for path in _leftovers(target):
+        if path.is_file():
+            path.unlink(missing_ok=True)
+            continue
         kept = path / "x"
         if path.name.startswith(f".{target.name}.old-") and kept.is_dir() and not target.exists():
             kept.rename(target)
@@ -292,13 +299,20 @@ def _move_into_place(tmp: Path, target: Path) -> None:
             target.rename(old / "x")
         tmp.rename(target)
     except OSError as exc:
-        if old is not None and (old / "x").exists() and not target.exists():
-            (old / "x").rename(target)
         shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        kept = ""
+        if old is not None and (old / "x").exists():
+            try:
+                (old / "x").rename(target)  # put the previous output back
+                old.rmdir()
+            except OSError:
+                # Something took its place meanwhile: keep it under a name no cleanup touches.
+                saved = Path(tempfile.mkdtemp(prefix=f".{target.name}.kept-", dir=target.parent))
+                (old / "x").rename(saved / "x")
+                shutil.rmtree(old, ignore_errors=True)
+                kept = f"; the previous output is kept in {saved / 'x'}"
         raise OptcError(f"cannot move the finished output into place at {target} ({exc.strerror or exc}): "
-                        "nothing was written") from None
+                        f"nothing was written{kept}") from None
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
