@@ -20,7 +20,6 @@ from collections import namedtuple
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
