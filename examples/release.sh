@@ -22,7 +22,9 @@
 #   1  optc refused the input (recipe, model, dataset, gate syntax...): one line on stderr
 #   2  usage error (wrong arguments, OUT_DIR/NAME already exists)
 #   3  a gate failed: the evaluation report is in OUT_DIR/NAME.rejected/, nothing packaged
-#   4  packaging failed (the manifest did not verify)
+#   4  the model computed NaN or infinite values (optc's own code; the evaluation report, if
+#      any, is in OUT_DIR/NAME.rejected/), nothing packaged
+#   5  packaging failed (the manifest did not verify)
 set -euo pipefail
 
 usage() { echo "usage: $0 RECIPE OUT_DIR" >&2; exit 2; }
@@ -61,11 +63,11 @@ $optc eval "$work/checkpoint" --baseline "$baseline" --dataset "${DATASET:-built
     --output "$work/evaluation"
 rc=$?
 set -e
-if [[ $rc -eq 3 ]]; then
+if [[ $rc -eq 3 || $rc -eq 4 ]]; then
     rm -rf "$out/$name.rejected"
     mv "$work/evaluation" "$out/$name.rejected"
     echo "release: gate failed, not released; report: $out/$name.rejected/report.md" >&2
-    exit 3
+    exit $rc
 fi
 [[ $rc -eq 0 ]] || exit $rc
 
@@ -74,8 +76,8 @@ fi
     cd "$work"
     find checkpoint evaluation -type f -print0 | LC_ALL=C sort -z | xargs -0 sha256sum > SHA256SUMS
     sha256sum --check --quiet SHA256SUMS
-) || { echo "release: manifest did not verify" >&2; exit 4; }
+) || { echo "release: manifest did not verify" >&2; exit 5; }
 mv "$work" "$release"
 trap - EXIT
-tar -czf "$out/$name.tar.gz" -C "$out" "$name" || exit 4
+tar -czf "$out/$name.tar.gz" -C "$out" "$name" || exit 5
 echo "release: $release ($(wc -l < "$release/SHA256SUMS") files) and $out/$name.tar.gz" >&2

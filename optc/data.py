@@ -83,6 +83,9 @@ def _builtin_text(role: Role) -> str:
 
 
 def _hf_text(name: str, role: Role) -> str:
+    from optc.network import require_hub
+
+    require_hub(f"dataset {name!r}", "use 'builtin' or a local .txt/.jsonl file instead")
     try:
         from datasets import load_dataset
 
@@ -128,14 +131,14 @@ def _joined(texts: list[str], rendering: str) -> str:
 
 
 def _file_text(path: Path, src: DataSource, tokenizer) -> str:
-    from optc.data_sources import column_texts, read_jsonl
+    from optc.data_sources import column_texts, read_jsonl, utf8_text
 
     if not path.is_file():
         raise OptcError(f"dataset file not found: {path}")
     if path.suffix == ".jsonl":
         texts, chat = column_texts(read_jsonl(path, src.text_column), src.rendering, tokenizer, str(path))
         return _joined(texts, "chat" if chat else "plain")
-    return path.read_text(encoding="utf-8")
+    return utf8_text(path)
 
 
 def source_text(src: DataSource, role: Role, tokenizer=None) -> str:
@@ -168,6 +171,30 @@ def load_text(dataset: str | DataSource, role: Role, tokenizer=None) -> str:
     """The raw text of ``dataset`` (a name, a path or a :class:`DataSource`) for ``role``."""
     src = dataset if isinstance(dataset, DataSource) else DataSource(dataset=dataset)
     return source_text(src, role, tokenizer)
+
+
+def dataset_path(dataset: str) -> Path | None:
+    """The local file or folder a dataset name points to (None for the named sources)."""
+    return None if dataset in NAMED else Path(dataset).expanduser()
+
+
+def check_dataset(dataset: str, role: Role, network: bool = True) -> None:
+    """Before any model loads: a local .txt/.jsonl file must be readable UTF-8 text (one line
+    naming the file and the first bad byte otherwise), and with ``network`` a named hub dataset
+    must be reachable. Other sources are checked by their loader."""
+    from optc.data_sources import utf8_text
+
+    if dataset == "builtin":
+        return
+    if dataset in NAMED:
+        if network:
+            from optc.network import require_hub
+
+            require_hub(f"dataset {dataset!r}", "use 'builtin' or a local file instead")
+        return
+    path = Path(dataset).expanduser()
+    if path.is_file() and path.suffix in (".txt", ".jsonl"):
+        utf8_text(path)
 
 
 def check_disjoint(calibration: str | list[str], evaluation: str) -> None:

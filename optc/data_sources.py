@@ -13,6 +13,7 @@ hence the same token ids, every time; the seeded sampling happens on the token c
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 from collections.abc import Iterable
@@ -191,22 +192,38 @@ def _fingerprints(files: list[Path]) -> dict[str, Path]:
     return out
 
 
+def utf8_text(path: Path) -> str:
+    """The file as UTF-8 text; anything else is one line naming the file and the first bad byte."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise OptcError(f"dataset file {path} cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OptcError(
+            f"dataset file {path} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): "
+            "pass UTF-8 text"
+        ) from None
+    # Universal newlines, as reading the file in text mode gives (the token ids depend on them).
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
 def read_jsonl(path: Path, column: str | None) -> list[Any]:
     """One field of each line of a ``.jsonl`` file (``text``, else ``messages``), with the line
     number of the first bad line."""
     values: list[Any] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise OptcError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            key = column or ("messages" if isinstance(record, dict) and "text" not in record and "messages" in record else "text")
-            if not isinstance(record, dict) or key not in record:
-                raise OptcError(f"{path}:{lineno}: expected an object with a '{key}' string")
-            if not isinstance(record[key], str) and not is_conversation(record[key]):
-                raise OptcError(f"{path}:{lineno}: expected an object with a '{key}' string")
-            values.append(record[key])
+    for lineno, line in enumerate(io.StringIO(utf8_text(path)), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise OptcError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
+        key = column or ("messages" if isinstance(record, dict) and "text" not in record and "messages" in record else "text")
+        if not isinstance(record, dict) or key not in record:
+            raise OptcError(f"{path}:{lineno}: expected an object with a '{key}' string")
+        if not isinstance(record[key], str) and not is_conversation(record[key]):
+            raise OptcError(f"{path}:{lineno}: expected an object with a '{key}' string")
+        values.append(record[key])
     return values

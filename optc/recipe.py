@@ -165,16 +165,69 @@ def parse_recipe(data: Any, source: str = "<recipe>") -> Recipe:
         raise OptcError(f"recipe {source}: {exc}") from None
 
 
-def read_recipe_data(path: Path) -> Any:
+# A recipe is a few hundred bytes of YAML; anything past this is refused before it is parsed
+# (YAML aliases can make a small file expand, a large one costs memory and minutes).
+MAX_RECIPE_BYTES = 2**20
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader (plain data only, no tags that build objects), refusing a
+    mapping that repeats a key: YAML lets the last one win, so a second ``stages:`` would
+    silently replace the first."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    seen: dict[Any, yaml.Node] = {}
+    for key_node, _ in node.value:  # the node's own keys; ``<<`` merges may be overridden
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node)
+        if key in seen:
+            first = seen[key].start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {first.line + 1}): a key may appear "
+                "once per mapping", key_node.start_mark)
+        seen[key] = key_node
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def read_recipe_text(path: Path) -> str:
+    """A recipe file's text, refused unread past :data:`MAX_RECIPE_BYTES`."""
     try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
+        with path.open("rb") as fh:
+            raw = fh.read(MAX_RECIPE_BYTES + 1)
+    except OSError as exc:
+        raise OptcError(f"recipe {path}: cannot read ({exc})") from None
+    if len(raw) > MAX_RECIPE_BYTES:
+        raise OptcError(f"recipe {path}: larger than {MAX_RECIPE_BYTES // 2**20} MiB; a recipe is a short YAML "
+                        "file (is this the right file?)")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OptcError(f"recipe {path}: cannot read ({exc})") from None
+
+
+def safe_load_unique(text: str) -> Any:
+    """``yaml.safe_load`` with duplicate keys refused."""
+    loader = _UniqueKeyLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def read_recipe_data(path: Path) -> Any:
+    text = read_recipe_text(path)
+    try:
+        return safe_load_unique(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise OptcError(f"recipe {path}: malformed YAML at{where}: {problem}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OptcError(f"recipe {path}: cannot read ({exc})") from None
 
 
 def load_recipe(name_or_path: str, overrides: dict[str, Any] | None = None) -> Recipe:

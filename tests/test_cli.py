@@ -128,6 +128,7 @@ def test_existing_output_refused_then_replaced(tiny_checkpoint: Path, tmp_path: 
     out = tmp_path / "out"
     out.mkdir()
     (out / "stale.txt").write_text("keep me")
+    (out / "report.json").write_text("{}")  # an earlier optc output (any other directory: tests/test_hardening.py)
     args = ["prune", "--pattern", "2:4", "--model", str(tiny_checkpoint), "--output", str(out), "--no-eval"]
     assert "already exists" in _error_line(args) and "--overwrite" in _error_line(args)
     assert (out / "stale.txt").read_text() == "keep me"
@@ -163,13 +164,13 @@ def test_failed_run_leaves_nothing(tiny_checkpoint: Path, tmp_path: Path, monkey
     assert not out.exists() and _siblings(out) == []
     # With --overwrite, a failure keeps the previous output intact.
     out.mkdir()
-    (out / "old.txt").write_text("previous")
+    (out / "recipe.yaml").write_text("previous")  # an earlier optc output: --overwrite may replace it
     assert "disk full" in _error_line(args + ["--overwrite"])
-    assert [p.name for p in out.iterdir()] == ["old.txt"] and _siblings(out) == []
+    assert [p.name for p in out.iterdir()] == ["recipe.yaml"] and _siblings(out) == []
 
 
 def test_missing_model(tmp_path: Path) -> None:
-    line = _error_line(["run", "w4a16-rtn", "--model", str(tmp_path / "nope"), "--no-eval"])
+    line = _error_line(["run", "w4a16-rtn", "--model", str(tmp_path / "nope"), "--no-eval", "--no-save"])
     assert "model not found" in line and "nope" in line
     assert "no config.json" in _error_line(["eval", str(tmp_path)])
 

@@ -146,7 +146,7 @@ def test_recipe_gates_fail_a_run(tiny_checkpoint: Path, tmp_path: Path) -> None:
     # --gate adds to the recipe's gates; a malformed recipe gate is a validation error.
     recipe["gates"] = ["ppl_increase<=5"]
     path.write_text(yaml.safe_dump(recipe))
-    result = runner.invoke(app, ["run", str(path), "--model", str(tiny_checkpoint), "--no-eval"])
+    result = runner.invoke(app, ["run", str(path), "--model", str(tiny_checkpoint), "--no-eval", "--no-save"])
     assert result.exit_code == 1 and "needs a baseline" in result.output
     recipe["gates"] = ["ppl_increase<5 %%"]
     path.write_text(yaml.safe_dump(recipe))

@@ -164,7 +164,7 @@ def test_streaming_refuses_what_it_cannot_do(tiny_dir):
     with pytest.raises(OptcError, match="exactly one"):
         run_recipe(parse_recipe(two), None)
     result = runner.invoke(app, ["run", "sparse-2of4-w4a16", "--model", str(tiny_dir), "--streaming",
-                                 "--no-eval", "--samples", "4", "--seqlen", "64"])
+                                 "--no-eval", "--no-save", "--samples", "4", "--seqlen", "64"])
     assert result.exit_code == 1
     assert "exactly one" in result.output and "Traceback" not in result.output
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -68,7 +69,9 @@ complete_recipe = completing(_recipe_names)
 # Options shared by every command, with one meaning everywhere.
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="HF directory, hub id, .gguf file, or 'smollm2-135m' (default).")]
 OutputOpt = Annotated[Optional[Path], typer.Option("--output", "-o", help="Output directory (written atomically).")]
-OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory.", metavar=FLAG)]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output directory that optc wrote.", metavar=FLAG)]
+ForceOverwriteOpt = Annotated[bool, typer.Option("--force-overwrite", help="Replace an existing output directory even if optc did not write it (never an input, a directory holding one, the working or home directory).", metavar=FLAG)]
+NoSaveOpt = Annotated[bool, typer.Option("--no-save", help="Compress and measure without writing a checkpoint (without it, commands that compress need --output).", metavar=FLAG)]
 DatasetOpt = Annotated[Optional[str], typer.Option("--dataset", help="Calibration text: builtin, wikitext2, c4, a .txt/.jsonl/.parquet/.arrow/.csv/.json file or folder, a save_to_disk directory, or a hub dataset id.")]
 TextColumnOpt = Annotated[Optional[str], typer.Option("--text-column", help="Column of --dataset to read (default: text, else messages; conversations are rendered with the model's chat template).")]
 SplitOpt = Annotated[Optional[str], typer.Option("--split", help="Split of --dataset to read (default: train for calibration, test or validation for optc eval).")]
@@ -108,6 +111,9 @@ def _root(
     )
     for noisy in ("transformers", "datasets", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
+    # transformers sets its logger's level again when it is first imported (after this), from this
+    # variable: without it a model that fails to load prints a page of report before optc's line.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def handle_errors(fn: Callable) -> Callable:
@@ -163,7 +169,9 @@ class RichProgress:
 
 def _print_report(report: dict, as_json: bool) -> None:
     if as_json:
-        console.print_json(json.dumps(report, default=str))
+        from optc.evaluate.report import json_safe
+
+        console.print_json(json.dumps(json_safe(report), default=str, allow_nan=False))  # strict JSON: NaN is null
         return
     metrics = report.get("metrics", {})
     table = Table(title=f"optc report: {report['model']}")
@@ -206,16 +214,22 @@ def _print_details(report: dict) -> None:
 
 
 def finish(report: dict, as_json: bool, quiet: bool) -> None:
-    """Print the report (unless quiet), then exit with the gate code if a gate failed."""
-    from optc.evaluate.gates import GATE_EXIT_CODE, failed
+    """Print the report (unless quiet), then exit with the non-finite code if the model computed
+    NaN or infinite values, else with the gate code if a gate failed."""
+    from optc.evaluate.gates import GATE_EXIT_CODE, NON_FINITE_EXIT_CODE, failed
+    from optc.evaluate.report import non_finite_message
 
     if as_json or not quiet:
         _print_report(report, as_json)
     bad = failed(report.get("gates", []))
+    if bad and (quiet or as_json):
+        for g in bad:
+            err_console.print(f"[bold red]{g['message']}[/]", highlight=False, soft_wrap=True)
+    broken = report.get("metrics", {}).get("non_finite")
+    if broken:
+        err_console.print(f"[bold red]error:[/] {non_finite_message(broken, report)}", soft_wrap=True, highlight=False)
+        raise typer.Exit(NON_FINITE_EXIT_CODE)
     if bad:
-        if quiet or as_json:
-            for g in bad:
-                err_console.print(f"[bold red]{g['message']}[/]", highlight=False, soft_wrap=True)
         raise typer.Exit(GATE_EXIT_CODE)
 
 
@@ -239,7 +253,7 @@ def common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, window
     }
 
 
-def run_command(recipe_name: str, overrides: dict, output, overwrite, device, trust_remote_code, no_eval, as_json, stages: list | None = None, gates: list[str] | None = None, quiet: bool = False, resume: bool = False) -> None:
+def run_command(recipe_name: str, overrides: dict, output, overwrite, device, trust_remote_code, no_eval, as_json, stages: list | None = None, gates: list[str] | None = None, quiet: bool = False, resume: bool = False, no_save: bool = False, force_overwrite: bool = False) -> None:
     from optc.calibrate.distributed import is_main_process
     from optc.run.pipeline import run_recipe
     from optc.recipe import apply_overrides, parse_recipe, read_recipe_data, resolve_recipe
@@ -253,10 +267,22 @@ def run_command(recipe_name: str, overrides: dict, output, overwrite, device, tr
     if no_eval:
         data["evaluation"] = None
     recipe = parse_recipe(apply_overrides(data, overrides), str(path))
+    device = pick_device(device)
+    check_save(recipe, output, no_save)
     main = is_main_process()  # under torchrun only rank 0 shows progress and prints the report
-    report = run_recipe(recipe, output, overwrite=overwrite, device=pick_device(device), trust_remote_code=trust_remote_code, progress=progress_bars(quiet or not main), gates=gates, resume=resume)
+    report = run_recipe(recipe, output, overwrite=overwrite, force_overwrite=force_overwrite, device=device, trust_remote_code=trust_remote_code, progress=progress_bars(quiet or not main), gates=gates, resume=resume)
     if main:
         finish(report, as_json, quiet)
+
+
+def check_save(recipe, output, no_save: bool) -> None:
+    """A command that compresses writes its checkpoint to --output; without one it would compute
+    for minutes or hours and keep nothing, so that takes --no-save, said on purpose."""
+    if output is not None and no_save:
+        raise OptcError("--output and --no-save exclude each other")
+    if output is None and not no_save and recipe.stages:
+        raise OptcError("no --output: the compressed checkpoint would be written nowhere; pass --output DIR "
+                        "to save it, or --no-save to compress and measure without saving")
 
 
 def progress_bars(quiet: bool):

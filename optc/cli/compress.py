@@ -7,9 +7,9 @@ from typing import Annotated, Any, Optional
 import typer
 
 from optc.cli.app import (
-    DatasetOpt, DeviceOpt, DtypeOpt, EvalDatasetOpt, FormatOpt, GateOpt, JsonOpt, ModelOpt, NoEvalOpt, OutputOpt,
-    OverwriteOpt, QuietOpt, ResumeOpt, SamplesOpt, SeedOpt, SeqlenOpt, SplitOpt, StreamingOpt, TextColumnOpt, TrustOpt,
-    WindowsOpt,
+    DatasetOpt, DeviceOpt, DtypeOpt, EvalDatasetOpt, ForceOverwriteOpt, FormatOpt, GateOpt, JsonOpt, ModelOpt,
+    NoEvalOpt, NoSaveOpt, OutputOpt, OverwriteOpt, QuietOpt, ResumeOpt, SamplesOpt, SeedOpt, SeqlenOpt, SplitOpt,
+    StreamingOpt, TextColumnOpt, TrustOpt, WindowsOpt,
     FLAG, app, common_overrides, complete_recipe, completing, handle_errors, run_command,
 )
 from optc.errors import OptcError
@@ -21,6 +21,7 @@ from optc.methods import METHODS, methods_of_kind
 def run(
     recipe: Annotated[str, typer.Argument(help="Built-in recipe name or YAML path.", autocompletion=complete_recipe)],
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
+    force_overwrite: ForceOverwriteOpt = False, no_save: NoSaveOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
@@ -29,7 +30,7 @@ def run(
 ) -> None:
     """Run a whole multi-stage recipe: compress, evaluate, export, report."""
     overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming, text_column=text_column, split=split, dtype=dtype)
-    run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume)
+    run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume, no_save=no_save, force_overwrite=force_overwrite)
 
 
 # Flags of quantize / prune address a stage by what it is, not by its position: the first stage
@@ -76,6 +77,7 @@ def quantize(
     bits: Annotated[Optional[int], typer.Option("--bits", help="Weight bits (2-8) of the recipe's first quantize stage.")] = None,
     group_size: Annotated[Optional[int], typer.Option("--group-size", help="Input columns per scale of the recipe's first quantize stage.")] = None,
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
+    force_overwrite: ForceOverwriteOpt = False, no_save: NoSaveOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
@@ -91,7 +93,7 @@ def quantize(
     i = _first_stage(recipe, "quantize", {"--method": method, "--bits": bits, "--group-size": group_size})
     if i is not None:
         overrides.update({f"stages.{i}.type": method, f"stages.{i}.scheme.bits": bits, f"stages.{i}.scheme.group_size": group_size})
-    run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume)
+    run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume, no_save=no_save, force_overwrite=force_overwrite)
 
 
 @app.command()
@@ -103,6 +105,7 @@ def prune(
     sparsity: Annotated[Optional[float], typer.Option("--sparsity", help="Unstructured sparsity in [0, 1) (with --recipe: of its first prune stage taking --pattern/--sparsity).")] = None,
     structured: Annotated[Optional[str], typer.Option("--structured", help="Remove heads / MLP channels, e.g. heads=0.25,mlp=0.3 (also kv_heads=); with --recipe: its structured stage.")] = None,
     model: ModelOpt = None, output: OutputOpt = None, overwrite: OverwriteOpt = False,
+    force_overwrite: ForceOverwriteOpt = False, no_save: NoSaveOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
@@ -115,6 +118,10 @@ def prune(
     if method is not None and method not in known:
         expected = f"{', '.join(known[:-1])} or {known[-1]}" if len(known) > 1 else ", ".join(known)
         raise OptcError(f"unknown pruning method {method!r} (expected {expected})")
+    if sparsity is not None and pattern is not None:
+        # The method would prune to the pattern and drop --sparsity without a word.
+        raise OptcError(f"--sparsity {sparsity} and --pattern {pattern} exclude each other: an N:M pattern fixes "
+                        "the sparsity (2:4 prunes 50%); pass one of them")
     overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, text_column=text_column, split=split, dtype=dtype)
     parts = _parse_structured(structured) if structured is not None else None
     stages = None
@@ -130,12 +137,14 @@ def prune(
             stages.append(stage)
     else:
         i = _first_stage(recipe, "prune", {"--method": method, "--pattern": pattern, "--sparsity": sparsity}, _PRUNE_FIELDS)
+        if i is not None and sparsity is not None:
+            _refuse_sparsity_under_pattern(recipe, i, sparsity)
         if i is not None:
             overrides.update({f"stages.{i}.type": method, f"stages.{i}.pattern": pattern, f"stages.{i}.sparsity": sparsity})
         i = _first_stage(recipe, "prune", {"--structured": structured}, _STRUCTURED_FIELDS)
         if i is not None:
             overrides.update({f"stages.{i}.{k}": v for k, v in (parts or {}).items()})
-    run_command(recipe or "prune-2of4-magnitude.yaml", overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, stages, gates=gate, quiet=quiet, resume=resume)
+    run_command(recipe or "prune-2of4-magnitude.yaml", overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, stages, gates=gate, quiet=quiet, resume=resume, no_save=no_save, force_overwrite=force_overwrite)
 
 
 @app.command()
@@ -161,6 +170,7 @@ def recover(
     resume: Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from its last saved step.", metavar=FLAG)] = False,
     export_mode: Annotated[Optional[str], typer.Option("--export", help="merge (fold into the weights, same grid) or adapter (peft adapter beside the checkpoint).")] = None,
     output: OutputOpt = None, overwrite: OverwriteOpt = False,
+    force_overwrite: ForceOverwriteOpt = False, no_save: NoSaveOpt = False,
     dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
     eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None, no_eval: NoEvalOpt = False,
     fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
@@ -187,7 +197,17 @@ def recover(
         "seed": seed,
     }
     overrides.update({f"stages.{index}.{k}": v for k, v in fields.items()})
-    run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet)
+    run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, no_save=no_save, force_overwrite=force_overwrite)
+
+
+def _refuse_sparsity_under_pattern(recipe: str, index: int, sparsity: float) -> None:
+    """--sparsity on a recipe stage that prunes to an N:M pattern would be ignored: refused."""
+    from optc.recipe import read_recipe_data, resolve_recipe
+
+    stage = read_recipe_data(resolve_recipe(recipe))["stages"][index]
+    if stage.get("pattern"):
+        raise OptcError(f"--sparsity {sparsity}: stage {index} of {recipe} prunes to the pattern {stage['pattern']}, "
+                        "which fixes the sparsity; pass --pattern instead, or use a recipe without one")
 
 
 def _parse_structured(text: str) -> dict[str, float]:

@@ -11,8 +11,8 @@ import typer
 from rich.table import Table
 
 from optc.cli.app import (
-    FLAG, LATENCY, PROTOCOL, DeviceOpt, GateOpt, SplitOpt, TextColumnOpt, JsonOpt, OutputOpt, OverwriteOpt, QuietOpt, app, console,
-    finish, handle_errors, pick_device, progress_bars, recipes_app,
+    FLAG, LATENCY, PROTOCOL, DeviceOpt, ForceOverwriteOpt, GateOpt, SplitOpt, TextColumnOpt, JsonOpt, OutputOpt,
+    OverwriteOpt, QuietOpt, app, console, finish, handle_errors, pick_device, progress_bars, recipes_app,
 )
 from optc.errors import OptcError
 from optc.evaluate.protocol import KERNEL_CHOICES, EvalProtocol, LatencyOptions
@@ -31,8 +31,8 @@ def eval_(
     all_windows: Annotated[bool, typer.Option("--all-windows", help="Evaluate every window of the text.", metavar=FLAG)] = False,
     stride: Annotated[Optional[int], typer.Option("--stride", help="Sliding-window stride (default: seqlen).")] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Windows per forward.")] = PROTOCOL.batch_size,
-    output: OutputOpt = None, overwrite: OverwriteOpt = False, as_json: JsonOpt = False,
-    gate: GateOpt = None, quiet: QuietOpt = False,
+    output: OutputOpt = None, overwrite: OverwriteOpt = False, force_overwrite: ForceOverwriteOpt = False,
+    as_json: JsonOpt = False, gate: GateOpt = None, quiet: QuietOpt = False,
     latency: Annotated[bool, typer.Option("--latency", help="Time prefill and decode (batch 1, CPU) on low-precision kernels; against --baseline too.", metavar=FLAG)] = False,
     kernel: Annotated[str, typer.Option("--kernel", help=f"Latency kernels: {', '.join(KERNEL_CHOICES)}.")] = LATENCY.kernel,
     prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Latency: prompt length.")] = LATENCY.prompt_tokens,
@@ -57,6 +57,7 @@ def eval_(
         model, protocol, baseline=baseline, output=output, overwrite=overwrite, progress=progress_bars(quiet),
         gates=gate, latency=timing if latency else None, tasks=task_list, cache=not no_cache, streaming=streaming,
         device=pick_device(device),
+        force_overwrite=force_overwrite,
     )
     finish(report, as_json, quiet)
 
@@ -138,13 +139,14 @@ def export(
     fmt: Annotated[str, typer.Option("--format", help=f"Target format. {format_help(descriptions=True)}.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Output directory (written atomically).")],
     overwrite: OverwriteOpt = False,
+    force_overwrite: ForceOverwriteOpt = False,
     requantize: Annotated[bool, typer.Option("--requantize", help="GGUF: round grids the block type cannot hold again (lossy).", metavar=FLAG)] = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert a checkpoint to another format, re-packing its quantization grid (no calibration)."""
     from optc.export.convert import convert_checkpoint
 
-    info = convert_checkpoint(model, output, fmt, overwrite=overwrite, requantize=requantize)
+    info = convert_checkpoint(model, output, fmt, overwrite=overwrite, requantize=requantize, force=force_overwrite)
     if as_json:
         console.print_json(json.dumps(info, default=str))
         return
@@ -184,9 +186,9 @@ def recipes_list() -> None:
 @handle_errors
 def recipes_show(name: Annotated[str, typer.Argument(help="Built-in recipe name or path.")]) -> None:
     """Print a recipe as written."""
-    from optc.recipe import resolve_recipe
+    from optc.recipe import read_recipe_text, resolve_recipe
 
-    typer.echo(resolve_recipe(name).read_text(encoding="utf-8"), nl=False)  # verbatim: never wrapped
+    typer.echo(read_recipe_text(resolve_recipe(name)), nl=False)  # verbatim: never wrapped
 
 
 @recipes_app.command("validate")

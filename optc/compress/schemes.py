@@ -17,6 +17,11 @@ ObserverName = Literal["minmax", "moving_minmax", "percentile", "mse", "kl"]
 OBSERVERS: tuple[str, ...] = ("minmax", "moving_minmax", "percentile", "mse", "kl")
 
 
+# Above any Linear's width a group is one per row, which null says; a larger number only pads
+# every row to that many columns (an int64 overflow, or gigabytes, in the kernels).
+MAX_GROUP_SIZE = 65536
+
+
 class QuantScheme(BaseModel):
     """What grid a weight is quantized onto. Used directly as a recipe field."""
 
@@ -40,6 +45,9 @@ class QuantScheme(BaseModel):
     def _group_positive(cls, v: int | None) -> int | None:
         if v is not None and v != -1 and v <= 0:
             raise ValueError(f"group_size must be positive (or null for per-channel), got {v}")
+        if v is not None and v > MAX_GROUP_SIZE:
+            raise ValueError(f"group_size must be at most {MAX_GROUP_SIZE} (null: one scale per output "
+                             f"channel), got {v}")
         return None if v == -1 else v
 
     @property

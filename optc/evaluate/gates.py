@@ -9,6 +9,7 @@ The report is written first, with every gate's outcome; then the CLI exits with
 
 from __future__ import annotations
 
+import math
 import operator
 import re
 from collections.abc import Callable
@@ -17,8 +18,10 @@ from dataclasses import asdict, dataclass
 from optc.errors import OptcError
 
 # Exit codes of every optc command: 0 success, 1 user error (bad input, one line on stderr),
-# 2 command-line usage error, 3 a gate failed (report written), 130 interrupted.
+# 2 command-line usage error, 3 a gate failed (report written), 4 the model computed NaN or
+# infinite logits or metrics (report written, every gate failed), 130 interrupted.
 GATE_EXIT_CODE = 3
+NON_FINITE_EXIT_CODE = 4
 
 _OPS: dict[str, Callable[[float, float], bool]] = {
     "<=": operator.le, "<": operator.lt, ">=": operator.ge, ">": operator.gt,
@@ -158,12 +161,26 @@ def _fmt(value: float, unit: str) -> str:
 
 
 def check_gates(gates: list[Gate], report: dict) -> list[GateResult]:
-    """Each gate's outcome, with a message saying by how much a failed gate missed."""
+    """Each gate's outcome, with a message saying by how much a failed gate missed.
+
+    A metric that is NaN or infinite fails its gate whatever the comparison would say (NaN
+    compares false both ways, an infinity passes every ``>=``); and when the report records any
+    non-finite value (``metrics.non_finite``) every gate fails: a broken model passes nothing."""
     values = gate_values(report)
+    broken = (report.get("metrics") or {}).get("non_finite")
     results = []
     for g in gates:
         value = values.get(g.metric)
         unit = GATE_METRICS[g.metric].unit
+        if value is not None and not math.isfinite(value):
+            results.append(GateResult(g.text, g.metric, g.op, g.threshold, None, False,
+                                      f"gate {g.text}: FAILED, {g.metric} is {value} (not a finite number)"))
+            continue
+        if broken:
+            results.append(GateResult(g.text, g.metric, g.op, g.threshold, value, False,
+                                      f"gate {g.text}: FAILED, the model computed non-finite values "
+                                      f"({', '.join(broken['metrics']) or 'logits'})"))
+            continue
         if value is None:
             results.append(GateResult(g.text, g.metric, g.op, g.threshold, None, False,
                                       f"gate {g.text}: FAILED, {g.metric} was not measured"))

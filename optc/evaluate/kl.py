@@ -77,7 +77,8 @@ class DivergenceAccumulator:
         """One window's scored positions: ``[T, V]`` logits of the baseline and the model."""
         kl, agree = token_kl(base_logits, logits)
         self.kl_sum += float(kl.sum())
-        self.kl_max = max(self.kl_max, float(kl.max()))
+        worst = float(kl.max())  # NaN when any token's is: it must stay NaN, not lose to 0.0
+        self.kl_max = worst if math.isnan(worst) or worst > self.kl_max else self.kl_max
         self.agree += int(agree.sum())
         self.count += kl.numel()
         self.window_kl.append(float(kl.mean()))

@@ -53,9 +53,16 @@ class PerplexityResult:
     stride: int
     seconds: float
     window_nll: list[float]
+    # Logits that were NaN or infinite, and the first module whose output was not finite: a model
+    # with NaN weights or scales scores NaN, which must never pass for a number.
+    non_finite_logits: int = 0
+    first_non_finite: str | None = None
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if not self.non_finite_logits:  # the usual report holds no such keys
+            del out["non_finite_logits"], out["first_non_finite"]
+        return out
 
 
 def windows_of(tokens: torch.Tensor, seqlen: int, stride: int, limit: int | None) -> list[tuple[int, int]]:
@@ -84,9 +91,15 @@ class _WindowScores:
 
     def __init__(self) -> None:
         self.nll_sum, self.count, self.per_window = 0.0, 0, []
+        self.non_finite = 0  # logits that are NaN or infinite
+        self.first_bad: int | None = None  # the window holding the first of them
 
     def update(self, logits: torch.Tensor, targets: torch.Tensor) -> None:
         # logits[t] predicts targets[t]; both already cut to the window's scored positions.
+        bad = int(logits.numel() - torch.isfinite(logits).sum())
+        if bad and self.first_bad is None:
+            self.first_bad = len(self.per_window)
+        self.non_finite += bad
         nll = float(F.cross_entropy(logits.float(), targets, reduction="sum"))
         self.per_window.append(nll / targets.numel())
         self.nll_sum += nll
@@ -106,6 +119,7 @@ class _WindowScores:
             stride=stride,
             seconds=round(seconds, 3),
             window_nll=self.per_window,
+            non_finite_logits=self.non_finite,
         )
 
 
@@ -120,6 +134,36 @@ class WindowEvaluation:
 
 def _logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, use_cache=False).logits
+
+
+def _first_tensor(out: object) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return getattr(out, "logits", None) if not isinstance(out, tuple | list) else None
+
+
+@torch.inference_mode()
+def first_non_finite_module(model: torch.nn.Module, ids: torch.Tensor) -> str | None:
+    """The first module (in the order the forward runs them) whose output holds a NaN or an
+    infinity on ``ids``: where a broken weight or scale shows, for the error message."""
+    found: list[str] = []
+
+    def hook(name: str):
+        def check(_module, _inputs, out) -> None:
+            t = _first_tensor(out)
+            if not found and t is not None and t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                found.append(name)
+        return check
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n]
+    try:
+        _logits(model, ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
 
 
 @torch.inference_mode()
@@ -164,11 +208,16 @@ def evaluate_windows(
                     divergence.update(base_logits[j, lo - 1 : -1], logits[j, lo - 1 : -1])
                 advance()
             del logits, base_logits
-    return WindowEvaluation(
+    result = WindowEvaluation(
         model=scores.result(seqlen, stride, seconds),
         baseline=base_scores.result(seqlen, stride, base_seconds) if baseline is not None else None,
         divergence=divergence.result() if divergence is not None else None,
     )
+    for who, acc, res in ((model, scores, result.model), (baseline, base_scores, result.baseline)):
+        if res is not None and acc.first_bad is not None:
+            start, _ = spans[acc.first_bad]
+            res.first_non_finite = first_non_finite_module(who, tokens[start : start + seqlen][None].to(device))
+    return result
 
 
 def perplexity(

@@ -18,7 +18,7 @@ import math
 import platform
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -37,33 +37,49 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# A measured number; null in report.json where the run produced NaN or an infinity (JSON has
+# neither), which ``metrics.non_finite`` then names.
+Measured = float | None
+NonNegative = Annotated[float, Field(ge=0)] | None
+
+
 class PerplexitySection(_Strict):
-    perplexity: float
-    nll: float
+    perplexity: Measured
+    nll: Measured
     ci95: tuple[float | None, float | None]
     windows: int
     tokens: int
     seqlen: int
     stride: int
     seconds: float
-    window_nll: list[float]
+    window_nll: list[Measured]
+    non_finite_logits: int = 0  # present only when some were
+    first_non_finite: str | None = None
 
 
 class ChangeSection(_Strict):
-    ppl_baseline: float
-    ppl_model: float
-    ppl_difference: float
-    ppl_increase_pct: float
+    ppl_baseline: Measured
+    ppl_model: Measured
+    ppl_difference: Measured
+    ppl_increase_pct: Measured
     ppl_increase_pct_ci95: tuple[float | None, float | None]
-    nll_difference: float
+    nll_difference: Measured
     significant: bool
     windows: int
 
 
+class NonFiniteSection(_Strict):
+    """What was not finite in a run: a model that computes NaN is an error of its own."""
+
+    logits: int  # NaN or infinite logits over the evaluation windows
+    first_module: str | None  # the first module whose output was not finite
+    metrics: list[str]  # the metrics (dotted names under ``metrics``) that are not finite
+
+
 class DivergenceSection(_Strict):
-    kl_mean: float = Field(ge=0)
-    kl_max: float = Field(ge=0)
-    kl_p99: float = Field(ge=0)
+    kl_mean: NonNegative
+    kl_max: NonNegative
+    kl_p99: NonNegative
     kl_ci95: tuple[float | None, float | None]
     top1_agreement: float = Field(ge=0, le=1)
     tokens: int
@@ -117,6 +133,7 @@ class Metrics(BaseModel):
     size: SizeSection | None = None
     latency: LatencySection | None = None
     tasks: dict[str, Any] | None = None
+    non_finite: NonFiniteSection | None = None
     parameters: int | None = None
     nonzero: int | None = None
     bytes_on_disk: int | None = None
@@ -443,12 +460,70 @@ def render_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN and infinity replaced by None, so that it is strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _non_finite_paths(value: Any, path: str = "") -> list[str]:
+    if isinstance(value, float):
+        return [] if math.isfinite(value) else [path]
+    if isinstance(value, dict):
+        return [p for k, v in value.items() if k != "non_finite" for p in _non_finite_paths(v, f"{path}.{k}" if path else k)]
+    if isinstance(value, list | tuple):
+        return [path] if any(_non_finite_paths(v, path) for v in value) else []  # one name per list
+    return []
+
+
+def record_non_finite(report: dict) -> dict | None:
+    """Record in ``metrics.non_finite`` which metrics are NaN or infinite and how many logits were
+    (with the first module that produced them); None when everything is finite. Gates read it:
+    with it every gate fails, and the command exits with :data:`optc.evaluate.gates.NON_FINITE_EXIT_CODE`."""
+    metrics = report.get("metrics", {})
+    names = _non_finite_paths(metrics)
+    logits, first = 0, None
+    for key in ("perplexity_compressed", "perplexity_model", "perplexity_baseline"):
+        section = metrics.get(key)
+        if isinstance(section, dict) and section.get("non_finite_logits"):
+            logits += section["non_finite_logits"]
+            where = section.get("first_non_finite")
+            if first is None and where:
+                first = f"{where} (baseline)" if key == "perplexity_baseline" else where
+    if not names and not logits:
+        metrics.pop("non_finite", None)
+        return None
+    metrics["non_finite"] = {"logits": logits, "first_module": first, "metrics": names}
+    return metrics["non_finite"]
+
+
+def non_finite_message(non_finite: dict, report: dict | None = None) -> str:
+    """The one line a run whose model computed NaN or infinite values ends with."""
+    parts = []
+    if non_finite.get("logits"):
+        first = non_finite.get("first_module")
+        parts.append(f"{non_finite['logits']:,} non-finite logits (NaN or infinite)"
+                     + (f", first produced by {first}" if first else ""))
+    if non_finite.get("metrics"):
+        parts.append(f"not finite: {', '.join(non_finite['metrics'])}")
+    ck = (report or {}).get("checkpoint") or {}
+    written = f"; the report (in {ck['path']}) records it" if ck.get("path") else ""
+    return f"the model computed {'; '.join(parts) or 'non-finite values'}: every gate failed{written}"
+
+
 def write_report(report: dict, directory: Path) -> None:
-    """``report.json``, ``report.md`` and, where matplotlib is installed, the PNG charts."""
+    """``report.json``, ``report.md`` and, where matplotlib is installed, the PNG charts.
+    report.json is strict JSON: a NaN or infinite metric is written as null."""
     from optc.evaluate.charts import write_charts
 
     directory = Path(directory)
     report["charts"] = write_charts(report, directory)
-    validate_report(json.loads(json.dumps(report, default=str)), "report being written")
-    (directory / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    data = json.loads(json.dumps(json_safe(report), default=str, allow_nan=False))
+    validate_report(data, "report being written")
+    (directory / "report.json").write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
     (directory / "report.md").write_text(render_markdown(report) + "\n")

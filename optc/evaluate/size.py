@@ -8,13 +8,12 @@ still has N x K parameters).
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 import torch
 
 from optc.model.anatomy import select_linears, weight_2d
+from optc.model.safetensors_io import header_json
 from optc.errors import OptcError
 
 # Tensor-name suffixes that belong to one quantized Linear's storage (compressed-tensors,
@@ -26,10 +25,9 @@ _LINEAR_SUFFIXES = (
 
 
 def safetensors_tensor_bytes(path: Path) -> dict[str, int]:
-    """Bytes of each tensor in a ``.safetensors`` file, from its JSON header alone."""
-    with Path(path).open("rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
+    """Bytes of each tensor in a ``.safetensors`` file, from its JSON header alone (a corrupt
+    header is one line naming the file)."""
+    header, _ = header_json(path)
     return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 

@@ -80,6 +80,7 @@ def streamed_perplexity(
         batches = capture_first_layer_inputs(model, ids, batch_size, torch.device("cpu"))
     release(model, exclude=prefix)  # embeddings and head are not needed while the layers run
     as_tuple = False
+    first_bad: str | None = None  # the first decoder layer whose output is not finite
     label = f"perplexity ({len(spans)} x {seqlen}, layer-major)"
     with progress.task(label, total=len(layers) + 1) as advance:
         for i, layer in enumerate(layers):
@@ -92,6 +93,8 @@ def streamed_perplexity(
                     out = layer(b.hidden, *b.args, **b.kwargs)
                     as_tuple = isinstance(out, tuple)
                     b.hidden = (out[0] if as_tuple else out).to(b.hidden.dtype)
+                    if first_bad is None and not bool(torch.isfinite(b.hidden).all()):
+                        first_bad = f"{prefix}.{i}"
             release(layer)
             advance()
         materialize(model, source, exclude=prefix)
@@ -111,7 +114,10 @@ def streamed_perplexity(
                 del logits
         release(model, exclude=prefix)
         advance()
-    return scores.result(seqlen, stride, time.perf_counter() - t0)
+    result = scores.result(seqlen, stride, time.perf_counter() - t0)
+    if result.non_finite_logits:
+        result.first_non_finite = first_bad or "the output head (final norm or lm_head)"
+    return result
 
 
 def _count(stats: dict, numel: int, nonzero: int) -> None:

@@ -20,7 +20,7 @@ from optc.evaluate.gates import Gate, check_gates, require_measurable
 from optc.evaluate.latency import apply_kernels, float_summary, measure_latency
 from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.evaluate.perplexity import evaluate_windows, evaluation_token_cache, paired_difference
-from optc.evaluate.report import layer_statistics
+from optc.evaluate.report import layer_statistics, record_non_finite
 from optc.evaluate.size import size_metrics
 from optc.model.load import LoadedModel
 from optc.progress import NullProgress, Progress
@@ -125,6 +125,7 @@ def run_evaluation(
         with timed(timings, "latency"):
             metrics["latency"] = _latency(loaded, baseline, tokens, opts.latency, progress)
 
+    record_non_finite(report)
     report["gates"] = [g.to_dict() for g in check_gates(opts.gates, report)]
     return report
 

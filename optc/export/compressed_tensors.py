@@ -38,6 +38,10 @@ def _bits_per_weight(scheme: QuantScheme | None, in_features: int) -> float | No
     if scheme is None:
         return None
     group = scheme.group_size or in_features
+    if group < in_features:
+        # The writer stores a group size that does not divide K as the finer groups that do
+        # (ct_pack's per_layer regrouping): group 7 over 64 columns is 64 groups of one.
+        group = math.gcd(group, in_features)
     return scheme.bits + 64 * math.ceil(in_features / group) / in_features  # 8-byte scale + zero per group
 
 

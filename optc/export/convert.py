@@ -16,7 +16,7 @@ import torch
 
 from optc.compress.quant import QuantParams
 from optc.errors import OptcError
-from optc.export.checkpoint import staged_output
+from optc.export.checkpoint import check_output, claimed_output, staged_output
 from optc.export.formats import FORMATS, get_format
 from optc.export.source import ModelSource
 
@@ -61,19 +61,30 @@ def convert_checkpoint(
     overwrite: bool = False,
     requantize: bool = False,
     max_shard_bytes: int | None = None,
+    force: bool = False,
 ) -> dict:
     """Read ``source`` (any format optc reads, or a dense / GGUF / hub model) and write it as ``fmt``.
 
     The quantization grid read from ``source`` is written again as it is: no calibration, no
     re-rounding (GGUF targets re-round only with ``requantize``, and say so).
     """
-    from optc.compress.actquant import input_quant_of
-    from optc.export.checkpoint import check_free_space, check_output, estimate_checkpoint_bytes
-    from optc.export.load import load_checkpoint
+    from optc.model.load import local_path
 
     target = get_format(fmt)
     output = Path(output)
-    check_output(output, overwrite)
+    inputs = {"model": local_path(source)}
+    check_output(output, overwrite, inputs, force=force)
+    with claimed_output(output, overwrite, inputs, force=force):
+        return _convert(source, output, fmt, target, overwrite=overwrite, force=force, requantize=requantize,
+                        max_shard_bytes=max_shard_bytes)
+
+
+def _convert(source: str, output: Path, fmt: str, target, *, overwrite: bool, force: bool, requantize: bool,
+             max_shard_bytes: int | None) -> dict:
+    from optc.compress.actquant import input_quant_of
+    from optc.export.checkpoint import check_free_space, estimate_checkpoint_bytes
+    from optc.export.load import load_checkpoint
+
     loaded = load_checkpoint(source)
     if input_quant_of(loaded.model):
         raise OptcError(
@@ -86,7 +97,7 @@ def convert_checkpoint(
             "(quantize it with optc quantize, or export dense / gguf)"
         )
     check_free_space(output, estimate_checkpoint_bytes(loaded.model, {n: p.scheme for n, p in loaded.qparams.items()}, fmt))
-    with staged_output(output, overwrite, protect=loaded.path) as tmp:
+    with staged_output(output, overwrite, {"model": loaded.path}, force=force) as tmp:
         summary = export_model(loaded.model, loaded.tokenizer, loaded.qparams, fmt, tmp,
                                max_shard_bytes=max_shard_bytes, requantize=requantize)
     summary.update({"source": str(source), "path": str(output), "modules_read": len(loaded.qparams)})

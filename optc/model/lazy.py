@@ -144,6 +144,9 @@ def meta_model(directory: Path, dtype: torch.dtype, trust_remote_code: bool = Fa
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    from optc.model.load import check_remote_code
+
+    check_remote_code(directory, trust_remote_code)
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -157,6 +160,8 @@ def meta_model(directory: Path, dtype: torch.dtype, trust_remote_code: bool = Fa
     except OSError:
         pass  # no generation_config.json: keep the one derived from the config
     model.tie_weights()  # init_empty_weights leaves tied weights as separate meta tensors
+    if getattr(model.config, "auto_map", None):
+        del model.config.auto_map  # the code it names is not copied: an output never carries it
     model.eval()
     return model
 

@@ -13,6 +13,7 @@ instead of half a minute.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -114,12 +115,34 @@ def _strip_gguf_marks(model: torch.nn.Module) -> None:
             model.is_quantized = False
 
 
+def _gguf_architecture(path: Path) -> str:
+    """The architecture a GGUF file declares; a file too short or malformed to have one is refused
+    in one line (gguf's reader fails with struct and numpy errors on it)."""
+    import struct
+
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).fields.get("general.architecture")
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace") if field else "unknown"
+    except (ValueError, IndexError, KeyError, EOFError, OSError, struct.error) as exc:
+        raise OptcError(f"cannot load GGUF file {path} ({path.stat().st_size} bytes): not a readable GGUF file "
+                        f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+
+
 def _load_gguf(path: Path, dtype: torch.dtype):
+    arch = _gguf_architecture(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (ValueError, IndexError) as exc:  # a truncated file fails inside gguf's numpy views
         raise OptcError(f"cannot load GGUF file {path}: {exc}") from exc
+    except (RuntimeError, KeyError, TypeError, AttributeError) as exc:
+        # transformers knows the architecture's name but cannot build a causal LM from this file
+        # (e.g. mamba: mismatched tensor shapes); its message spans a whole report.
+        first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+        raise OptcError(f"cannot load GGUF file {path}: transformers cannot load architecture {arch!r} "
+                        f"from it ({first})") from None
     _strip_gguf_marks(model)
     return model, tokenizer
 
@@ -143,8 +166,38 @@ def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
     return target
 
 
+def check_remote_code(path: Path | str, trust_remote_code: bool) -> None:
+    """Refuse a local checkpoint whose ``config.json`` points to its own code (``auto_map``)
+    unless the code is trusted. transformers would load a known architecture's own class and
+    ignore the code, but then the model is not what the repository meant, and its output would
+    carry the ``auto_map`` along."""
+    config = Path(path) / "config.json"
+    if trust_remote_code or not config.is_file():
+        return
+    try:
+        auto_map = json.loads(config.read_text(encoding="utf-8")).get("auto_map")
+    except (OSError, ValueError, AttributeError):
+        return  # unreadable: transformers' own loader says why
+    if auto_map:
+        raise OptcError(f"{path} ships its own model code (config.json auto_map: {', '.join(sorted(auto_map))}), "
+                        "which runs only with --trust-remote-code (pass it only for a repository you trust)")
+
+
+def _drop_auto_map(model: torch.nn.Module, source: str, trust_remote_code: bool) -> None:
+    """An output never carries ``auto_map``: the code it names is not copied, so the output would
+    point to files it lacks. Without trust, a model whose config names its own code is refused."""
+    config = getattr(model, "config", None)
+    if not getattr(config, "auto_map", None):
+        return
+    if not trust_remote_code:
+        raise OptcError(f"{source} ships its own model code (config.json auto_map), which runs only with "
+                        "--trust-remote-code (pass it only for a repository you trust)")
+    del config.auto_map
+
+
 def _load_dir(path: Path | str, dtype: torch.dtype, trust_remote_code: bool,
               read_checkpoint: CheckpointReader | None = None):
+    check_remote_code(path, trust_remote_code)
     got = read_checkpoint(Path(path), dtype) if read_checkpoint is not None else None
     if got is None:
         _require_safetensors(path)
@@ -187,6 +240,20 @@ def _unreadable_file(path: Path | None) -> Path | None:
     return None
 
 
+def is_hub_id(source: str) -> bool:
+    """``org/name`` that is not a local path: a Hugging Face Hub repository."""
+    return source.count("/") == 1 and not source.startswith((".", "/", "~")) and not Path(source).expanduser().exists()
+
+
+def local_path(source: str | None) -> Path | None:
+    """The local file or directory ``source`` names, without loading or downloading anything (the
+    built-in model's cache directory; None for a hub id)."""
+    if source is None or source in _BUILTIN:
+        return cache_dir() / "models" / (source or DEFAULT_MODEL)
+    path = Path(source).expanduser()
+    return path if path.exists() else None
+
+
 def load_model(
     source: str | None = None,
     dtype: str = "float32",
@@ -220,8 +287,11 @@ def load_model(
                 raise OptcError(f"{path} is not a Hugging Face model directory (no config.json)")
             else:
                 got, tokenizer = _load_dir(path, torch_dtype, trust_remote_code, read_checkpoint)
-        elif source.count("/") == 1 and not source.startswith((".", "/", "~")):
+        elif is_hub_id(source):
+            from optc.network import require_hub
+
             path = None
+            require_hub(f"model {source!r}", "pass a local model directory or .gguf file instead")
             got, tokenizer = _load_dir(source, torch_dtype, trust_remote_code, read_checkpoint)
         else:
             raise OptcError(f"model not found: {source!r} is neither a path nor a built-in model")
@@ -236,6 +306,7 @@ def load_model(
         raise OptcError(f"cannot load model {source!r}: {_unreadable_file(path) or 'a weights file'} "
                         f"is corrupt or truncated ({exc})") from None
     got = got or CheckpointRead(model)
+    _drop_auto_map(got.model, source, trust_remote_code)
     got.model.eval()
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from optc.errors import OptcError
 
 log = logging.getLogger(__name__)
 
@@ -212,18 +215,49 @@ class HeaderEntry:
     end: int
 
 
+# safetensors' own limit on the JSON header (its readers refuse larger ones as HeaderTooLarge).
+MAX_HEADER_BYTES = 100_000_000
+
+
+def header_json(path: Path) -> tuple[dict, int]:
+    """The parsed JSON header of a safetensors file and its length in bytes.
+
+    The length field is checked against the file before anything is read: an absurd one would
+    otherwise be a read of that many bytes (a MemoryError, not a message)."""
+    path = Path(path)
+    with path.open("rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        head = fh.read(8)
+        if len(head) < 8:
+            raise OptcError(f"{path} is not a safetensors file: {size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER_BYTES, size - 8):
+            raise OptcError(f"{path} is corrupt or not a safetensors file: its header length field says {n:,} "
+                            f"bytes, the file holds {size - 8:,} after it (at most {MAX_HEADER_BYTES:,} allowed)")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise OptcError(f"{path} is corrupt or not a safetensors file: its header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise OptcError(f"{path} is corrupt or not a safetensors file: its header is not a JSON object")
+    return header, n
+
+
 def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
     """The tensors of a safetensors file (dtype, shape, absolute byte range) and its metadata."""
-    with Path(path).open("rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(n))
-    meta = header.pop("__metadata__", None) or {}
-    base = 8 + n
-    out = {
-        name: HeaderEntry(TORCH_DTYPES[h["dtype"]], tuple(h["shape"]),
-                          base + h["data_offsets"][0], base + h["data_offsets"][1])
-        for name, h in header.items()
-    }
+    header, n = header_json(path)
+    try:
+        meta = header.pop("__metadata__", None) or {}
+        base = 8 + n
+        out = {
+            name: HeaderEntry(TORCH_DTYPES[h["dtype"]], tuple(h["shape"]),
+                              base + h["data_offsets"][0], base + h["data_offsets"][1])
+            for name, h in header.items()
+        }
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise OptcError(f"{path} is corrupt or not a safetensors file: a header entry cannot be read "
+                        f"({type(exc).__name__}: {exc})") from None
     return out, meta
 
 

@@ -6,6 +6,7 @@ import copy
 import json
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -13,20 +14,21 @@ import yaml
 
 from optc.calibrate.distributed import is_main_process, process_group
 from optc.compress.actquant import input_quant_of
-from optc.data import check_disjoint
+from optc.data import check_dataset, check_disjoint, dataset_path
 from optc.errors import OptcError
 from optc.evaluate.perplexity import perplexity
 from optc.evaluate.report import new_report, write_report
 from optc.evaluate.gates import check_gates, parse_gates, require_measurable
 from optc.evaluate.perplexity import PerplexityResult, evaluation_token_cache, paired_difference
-from optc.evaluate.report import layer_statistics, stage_layer_info
+from optc.evaluate.report import layer_statistics, record_non_finite, stage_layer_info
 from optc.evaluate.size import size_metrics
 from optc.export.compressed_tensors import sparsity_config, write_sparsity_config
-from optc.export.checkpoint import check_free_space, check_output, directory_bytes, estimate_checkpoint_bytes
-from optc.export.checkpoint import staged_output
+from optc.export.checkpoint import check_free_space, check_output, check_stored_bits, claimed_output
+from optc.export.checkpoint import directory_bytes, estimate_checkpoint_bytes, staged_output
 from optc.export.formats import check_schemes, get_format
 from optc.export.load import load_checkpoint as load_model
 from optc.export.source import CastSource, ExportSource, ModelSource, stored_dtype
+from optc.model.load import local_path
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
 from optc.evaluate.protocol import EvalProtocol, LatencyOptions
@@ -89,6 +91,7 @@ def run_recipe(
     progress: Progress | None = None,
     gates: list[str] | None = None,
     resume: bool = False,
+    force_overwrite: bool = False,
 ) -> dict:
     """Apply ``recipe`` and write the checkpoint (with recipe and report) to ``output``.
 
@@ -99,8 +102,8 @@ def run_recipe(
     A model that does not fit in memory runs streaming (:mod:`optc.run.streaming`).
     """
     with process_group(device):
-        return _run_recipe(recipe, output, overwrite=overwrite, device=device, trust_remote_code=trust_remote_code,
-                           progress=progress, gates=gates, resume=resume)
+        return _run_recipe(recipe, output, overwrite=overwrite, force_overwrite=force_overwrite, device=device,
+                           trust_remote_code=trust_remote_code, progress=progress, gates=gates, resume=resume)
 
 
 def _run_recipe(
@@ -108,6 +111,7 @@ def _run_recipe(
     output: Path | None,
     *,
     overwrite: bool = False,
+    force_overwrite: bool = False,
     device: str = "cpu",
     trust_remote_code: bool = False,
     progress: Progress | None = None,
@@ -117,9 +121,39 @@ def _run_recipe(
     progress = progress or NullProgress()
     gate_list = _recipe_gates(recipe, gates, output)  # parsed before any work
     t_start = time.perf_counter()
+    inputs = input_paths(recipe)
     if output is not None:
-        check_output(output, overwrite)
+        check_output(output, overwrite, inputs, force=force_overwrite)
         check_recipe_export(recipe)  # an impossible export is refused before any calibration
+    check_stages(recipe, output)
+    # Only rank 0 writes; it holds the output's lock (and its resume state's) until the rename.
+    claim = (claimed_output(output, overwrite, inputs, force=force_overwrite)
+             if output is not None and is_main_process() else nullcontext())
+    with claim:
+        return _run_claimed(recipe, output, overwrite=overwrite, force_overwrite=force_overwrite, device=device,
+                            trust_remote_code=trust_remote_code, progress=progress, gate_list=gate_list,
+                            resume=resume, inputs=inputs, t_start=t_start)
+
+
+def _run_claimed(
+    recipe: Recipe,
+    output: Path | None,
+    *,
+    overwrite: bool,
+    force_overwrite: bool,
+    device: str,
+    trust_remote_code: bool,
+    progress: Progress,
+    gate_list: list,
+    resume: bool,
+    inputs: dict[str, Path | None],
+    t_start: float,
+) -> dict:
+    # The texts are read (or their host reached) before the model loads: a file that is not
+    # text fails in a second, not after the baseline evaluation.
+    check_dataset(recipe.calibration.dataset, "calibration", network=False)
+    if recipe.evaluation is not None:
+        check_dataset(recipe.evaluation.dataset, "evaluation")
     streaming = wants_streaming(recipe)
     torch.manual_seed(recipe.calibration.seed)
     if recipe.evaluation is not None:
@@ -131,7 +165,10 @@ def _run_recipe(
     else:
         loaded = load_model(recipe.model, recipe.dtype, trust_remote_code)
     if output is not None and loaded.path is not None:
-        check_output(output, overwrite, protect=loaded.path)
+        inputs = {**inputs, "model": loaded.path}
+        check_output(output, overwrite, inputs, force=force_overwrite)
+    if output is not None:
+        check_stored_bits(loaded.model, planned_schemes(loaded.model, recipe.stages), recipe.export.format)
     if output is not None and is_main_process() and not streaming:  # no hours of calibration for a checkpoint that cannot fit
         check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe.stages),
                                                            recipe.export.format))
@@ -202,7 +239,7 @@ def _run_recipe(
                 check_free_space(output, estimate_checkpoint_bytes(model, {n: p.scheme for n, p in ws.qparams.items()},
                                                                    recipe.export.format))
             trim()  # calibration's freed fragments, before export allocates the packed tensors
-            with staged_output(output, overwrite, protect=loaded.path) as tmp:
+            with staged_output(output, overwrite, inputs, force=force_overwrite) as tmp:
                 if ws.adapter is not None:
                     restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
                     ws.adapter.base_model = str(output)
@@ -218,10 +255,12 @@ def _run_recipe(
                     report["checkpoint"]["adapter"] = adapter_files
                 report["metrics"]["size"] = size_metrics(model, tmp, counts=counts)
                 report["metrics"]["size"]["dtype"] = str(dtype).removeprefix("torch.")
+                record_non_finite(report)
                 report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
                 write_report(report, tmp)
                 write_model_card(tmp, json.loads(json.dumps(report, default=str)))
         else:
+            record_non_finite(report)
             report["gates"] = [g.to_dict() for g in check_gates(gate_list, report)]
     if ws.store is not None:
         ws.store.remove()
@@ -272,6 +311,29 @@ def source_model(path: Path | None) -> str | None:
     return name if isinstance(name, str) and name else None
 
 
+
+
+def input_paths(recipe: Recipe) -> dict[str, Path | None]:
+    """The local files and directories a run of ``recipe`` reads, which no output may replace."""
+    paths: dict[str, Path | None] = {"model": local_path(recipe.model)}
+    for i, stage in enumerate(recipe.stages):
+        teacher = getattr(stage, "teacher", None)
+        if isinstance(teacher, str):
+            paths[f"teacher of stage {i}"] = local_path(teacher)
+    paths["calibration text"] = dataset_path(recipe.calibration.dataset)
+    if recipe.evaluation is not None:
+        paths["evaluation text"] = dataset_path(recipe.evaluation.dataset)
+    return paths
+
+
+def check_stages(recipe: Recipe, output: Path | None) -> None:
+    """A recipe without stages only evaluates: with an output it would write an uncompressed copy
+    of the model (e.g. a YAML file whose stages were lost), so that is refused."""
+    if not recipe.stages and output is not None:
+        raise OptcError(
+            f"recipe {recipe.name!r} has no stages: it would write an uncompressed copy of the model "
+            f"to {output}. A recipe without stages only evaluates: run it without --output (or use optc eval)"
+        )
 
 
 def _recipe_gates(recipe: Recipe, extra: list[str] | None, output: Path | None) -> list:
@@ -352,6 +414,7 @@ def evaluate_model(
     cache: bool = True,
     streaming: bool = False,
     device: str = "cpu",
+    force_overwrite: bool = False,
 ) -> dict:
     """Perplexity (on ``protocol``'s windows), KL to a baseline, size and latency (when
     ``latency`` is given) of a model, with a report (and gates).
@@ -371,25 +434,26 @@ def evaluate_model(
     opts = EvalOptions(  # gates parse first: a typo fails before any model loads
         protocol=protocol, gates=parse_gates(gates), cache=cache, latency=latency, tasks=list(tasks or []),
     )
+    inputs = {"model": local_path(source), "baseline": local_path(baseline),
+              "evaluation text": dataset_path(protocol.dataset)}
     if output is not None:
-        check_output(output, overwrite)
-    report = new_report(source or "smollm2-135m", command="eval")
-    if streaming:
-        report["baseline"] = baseline
-        evaluate_streaming(source, baseline, opts, report, progress)
+        check_output(output, overwrite, inputs, force=force_overwrite)
+    with claimed_output(output, overwrite, inputs, force=force_overwrite) if output is not None else nullcontext():
+        check_dataset(protocol.dataset, "evaluation")  # before any model loads
+        report = new_report(source or "smollm2-135m", command="eval")
+        if streaming:
+            report["baseline"] = baseline
+            evaluate_streaming(source, baseline, opts, report, progress)
+        else:
+            with timed(report["timings"], "load"):
+                loaded = load_model(source)
+                base = load_model(baseline) if baseline is not None else None
+                for m in (loaded, base):
+                    if m is not None and device != "cpu":
+                        m.model.to(device)
+            report["model"], report["baseline"] = loaded.source, base.source if base is not None else None
+            run_evaluation(loaded, base, opts, report, progress)
         if output is not None:
-            with staged_output(output, overwrite) as tmp:
+            with staged_output(output, overwrite, inputs, force=force_overwrite) as tmp:
                 write_report(report, tmp)
-        return report
-    with timed(report["timings"], "load"):
-        loaded = load_model(source)
-        base = load_model(baseline) if baseline is not None else None
-        for m in (loaded, base):
-            if m is not None and device != "cpu":
-                m.model.to(device)
-    report["model"], report["baseline"] = loaded.source, base.source if base is not None else None
-    run_evaluation(loaded, base, opts, report, progress)
-    if output is not None:
-        with staged_output(output, overwrite) as tmp:
-            write_report(report, tmp)
     return report

@@ -35,7 +35,7 @@ from optc.model.lazy import CheckpointSource, local_model_dir, meta_model, read_
 from optc.model.load import LoadedModel
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.perplexity import evaluation_token_cache
-from optc.evaluate.report import stage_layer_info
+from optc.evaluate.report import record_non_finite, stage_layer_info
 from optc.evaluate.streaming import streamed_perplexity
 from optc.model.safetensors_io import Lazy
 from optc.memory import limit_fragmentation
@@ -377,5 +377,6 @@ def evaluate_streaming(source_name: str | None, baseline: str | None, opts: Eval
     schemes = _schemes_of(src)
     report["layers"] = [{"name": n, "shape": tuple(v["shape"]), "scheme": schemes.get(n), "rel_error": None,
                          "sparsity": v["sparsity"]} for n, v in linears.items()]
+    record_non_finite(report)
     report["gates"] = [g.to_dict() for g in check_gates(opts.gates, report)]
     return report
