@@ -190,7 +190,7 @@ def check_dataset(dataset: str, role: Role, network: bool = True) -> None:
         if network:
             from optc.network import require_hub
 
-            require_hub(f"dataset {dataset!r}", "use 'builtin' or a local file instead")
+            require_hub(f"dataset {dataset!r}", "use 'builtin' or a local .txt/.jsonl/parquet/CSV file or folder instead")
         return
     path = Path(dataset).expanduser()
     if path.is_file() and path.suffix in (".txt", ".jsonl"):

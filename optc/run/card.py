@@ -98,7 +98,7 @@ def _protocol(recipe: dict, report: dict) -> str:
     if not ev or first is None:
         return ""
     return (f"Perplexity on {first['windows']} windows of {first['seqlen']} tokens of `{ev.get('dataset', 'builtin')}` "
-            "(held out from calibration); intervals are 95% bootstrap intervals over windows.")
+            "(held out from calibration); intervals are 95% t-intervals over the per-window losses.")
 
 
 def _source_words(src: dict) -> str:
