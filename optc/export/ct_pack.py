@@ -207,6 +207,13 @@ def checked_linear(src: ExportSource, name: str, stored: set[str], linears: set[
         raise OptcError(f"{name!r} is not an nn.Linear of this model; {what} covers Linears only")
 
 
+def _pack_stored(src: ExportSource, name: str, p: QuantParams, group_size: int | None) -> tuple[dict, tuple]:
+    """:func:`pack_weight` of ``src``'s Linear ``name``, scales in the checkpoint's declared dtype."""
+    tensors, key = pack_weight(name, src.tensor(f"{name}.weight"), p, group_size)
+    scales_in_dtype({name: tensors}, src.dtype)
+    return tensors, key
+
+
 class _Repack:
     """One Linear of a model read from disk, packed again when the writer reaches its tensors, so a
     model larger than memory never holds all its codes at once. The writer orders tensors by dtype,
@@ -225,7 +232,7 @@ class _Repack:
         self.written.add(leaf)
         if leaf in self.kept:
             return self.kept.pop(leaf)
-        tensors, _ = pack_weight(self.name, self.src.tensor(f"{self.name}.weight"), self.p, self.group_size)
+        tensors, _ = _pack_stored(self.src, self.name, self.p, self.group_size)
         self.kept = {k: v for k, v in tensors.items() if k != "weight_packed" and k not in self.written}
         return tensors[leaf]
 
@@ -256,10 +263,10 @@ def write_pack(
     packed: dict[str, dict[str, torch.Tensor]] = {}
     groups: dict[tuple, list[str]] = {}
     regrouped: dict[str, int | None] = {}
-    on_disk = getattr(src, "stored", None) is not None
+    on_disk = getattr(src, "stored", None) is not None  # a CastSource passes its inner source's on
     for name, p in qparams.items():
         checked_linear(src, name, stored, linears, FORMAT)
-        packed[name], key = pack_weight(name, src.tensor(f"{name}.weight"), p, targets[name])
+        packed[name], key = _pack_stored(src, name, p, targets[name])
         if on_disk:  # a streamed model: its Linears are packed again as they are written
             packed[name] = _Repack(src, name, p, targets[name]).entries(packed[name])
         trim()  # the packing temporaries (a few MB) would otherwise stay as heap fragments
@@ -267,7 +274,6 @@ def write_pack(
             regrouped[name] = key[2]
         groups.setdefault(key, []).append(name)
 
-    scales_in_dtype(packed, src.dtype)
     files = write_weights(splice(src, packed), directory, max_shard_bytes)
     config_groups = write_pack_config(src, groups, directory)
     summary = {
@@ -354,7 +360,9 @@ def dequantize_packed(
     q = unpack_int32(tensors.pop(f"{name}.weight_packed"), scheme.bits, k)
     if q.shape[0] != n:
         raise OptcError(f"{name}: packed rows {q.shape[0]} != weight_shape {n}")
-    return dequantize(q, p, scale.dtype), p
+    # In float32 at least: the weights are then exactly the codes on the grid p holds (a product
+    # rounded to bfloat16 scales would not be, and re-exporting it would re-round the codes).
+    return dequantize(q, p, torch.promote_types(scale.dtype, torch.float32)), p
 
 
 def read_pack_quantized(

@@ -184,6 +184,7 @@ class CastSource:
         self.qparams = inner.qparams
         self.input_quant = inner.input_quant
         self.masks = inner.masks
+        self.stored = getattr(inner, "stored", None)  # tensors on disk (a streamed model), if any
 
     def _casts(self, key: str, dtype: torch.dtype) -> bool:
         return dtype.is_floating_point and dtype != self.dtype and key not in self.keep

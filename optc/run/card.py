@@ -24,6 +24,23 @@ from optc.model.load import model_origin
 log = logging.getLogger(__name__)
 
 CARD = "README.md"
+CHECKPOINT = "path/to/checkpoint"
+
+
+def _what(stats: dict) -> str:
+    """What a stage did to the Linears, from its per-Linear statistics (the stage summary in the
+    report also carries timings)."""
+    modules = stats.get("modules") or {}
+    if not modules:
+        return "applied"
+    parts = [f"{len(modules)} Linears"]
+    schemes = sorted({m["scheme"] for m in modules.values() if "scheme" in m})
+    if schemes:
+        parts.append(", ".join(schemes))
+    sparsity = [m["sparsity"] for m in modules.values() if "sparsity" in m]
+    if sparsity:
+        parts.append(f"mean sparsity {sum(sparsity) / len(sparsity):.3f}")
+    return "; ".join(parts)
 
 
 def _front_matter(report: dict, recipe: dict, fmt_name: str | None) -> dict:
@@ -140,7 +157,9 @@ def render_card(report: dict, recipe_yaml: str, directory: Path) -> str:
              + (f": {recipe['description']}" if recipe.get("description") else "") + ".", "",
              "## What was done", ""]
     for i, st in enumerate(report.get("stages") or []):
-        lines.append(f"{i + 1}. `{st['type']}` ({st.get('seconds', 0):.1f} s): {st.get('summary') or 'applied'}")
+        # No timings or dates here: the card is part of the checkpoint, which is the same bytes
+        # for the same inputs (report.json keeps when and how long).
+        lines.append(f"{i + 1}. `{st['type']}`: {_what(st.get('stats') or {})}")
     if not report.get("stages"):
         lines.append("No compression stage: the checkpoint holds the model as loaded.")
     ck = report.get("checkpoint") or {}
@@ -150,14 +169,16 @@ def render_card(report: dict, recipe_yaml: str, directory: Path) -> str:
     protocol = _protocol(recipe, report)
     if protocol:
         lines += [protocol, ""]
-    lines += ["## How to load it", ""]
+    # A placeholder, not the output path: the card travels with the checkpoint (to a hub, to
+    # another machine), and two runs of the same recipe write the same bytes wherever they write.
+    lines += ["## How to load it", "", f"`{CHECKPOINT}`: this directory, or its hub id once uploaded.", ""]
     usage = fmt.usage if fmt is not None and fmt.usage else "See the optc README for this format."
     weights = sorted(p.name for p in Path(directory).glob("*.gguf"))
-    lines += [usage.format(path=str(ck.get("path") or directory), file=weights[0] if weights else "model.gguf").rstrip(), ""]
+    lines += [usage.format(path=CHECKPOINT, file=weights[0] if weights else "model.gguf").rstrip(), ""]
     lines += ["## Calibration data", "", calibration_words(recipe), ""]
     env = report.get("environment") or {}
-    lines.append(f"Made with optc {env.get('optc')}, torch {env.get('torch')}, transformers {env.get('transformers')} "
-                 f"on {report.get('created')}; the full numbers are in `report.json` / `report.md`.")
+    lines.append(f"Made with optc {env.get('optc')}, torch {env.get('torch')}, transformers {env.get('transformers')}; "
+                 "the full numbers are in `report.json` / `report.md`.")
     return "\n".join(lines) + "\n"
 
 
