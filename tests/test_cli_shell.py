@@ -32,7 +32,7 @@ def _complete(words: str) -> list[str]:
 def test_completion_script_and_values() -> None:
     assert "--install-completion" in _help()
     script = CliRunner().invoke(app, ["--show-completion", "bash"], prog_name="optc")
-    assert script.exit_code == 0 and "_OPTC_COMPLETE=complete_bash" in script.output
+    assert script.exit_code == 0 and "_OPTC_COMPLETE=complete_bash" in script.output, (script.output, script.exception)
     assert _complete("optc quantize --method ") == methods_of_kind("quantize")
     assert _complete("optc quantize --format ") == list(FORMATS)
     assert _complete("optc run w4a16-") and all(n.startswith("w4a16-") for n in _complete("optc run w4a16-"))
