@@ -125,7 +125,7 @@ def test_estimate_is_an_upper_bound_of_what_is_written(tiny_checkpoint: Path, tm
 
 
 def test_disk_full_mid_write_cleans_up(tiny_checkpoint: Path, tmp_path: Path, monkeypatch) -> None:
-    def writer_hits_enospc(ws, fmt, directory: Path, max_shard_size):
+    def writer_hits_enospc(src, fmt, directory: Path, *options):
         (directory / "model-00001-of-00002.safetensors").write_bytes(b"\0" * 4096)
         raise OSError(errno.ENOSPC, "No space left on device")
 
