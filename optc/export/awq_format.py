@@ -19,12 +19,21 @@ GEMM kernels read like any other zero point (they always apply one).
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optc.errors import OptcError
-from optc.export.files import code_sparsity, describe_safetensors, one_scheme_summary, quant_method, read_config, read_tensors, write_config
+from optc.export.files import (
+    code_sparsity,
+    dequantizing_reader,
+    describe_safetensors,
+    grid_bits_per_weight,
+    one_scheme_summary,
+    quant_method,
+    read_config,
+    read_tensors,
+    write_config,
+)
 from optc.export.registry import Format
 from optc.export.source import ExportSource, ModelSource, check_linear, refuse_activations, save_tokenizer, uniform_scheme
 
@@ -191,26 +200,11 @@ def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
     return None
 
 
-def _bits_per_weight(scheme: QuantScheme | None, in_features: int) -> float | None:
-    if scheme is None:
-        return None
-    group = scheme.group_size or in_features
-    return scheme.bits + 64 * math.ceil(in_features / group) / in_features  # 8-byte scale + zero per group
-
-
 def _write(src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None, requantize: bool = False) -> dict:
     refuse_activations(src, FORMAT)
     summary = write_awq_source(src, directory, max_shard_bytes=DEFAULT_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes)
     save_tokenizer(src, directory)
     return summary
-
-
-def _read(path: Path, dtype: Any):
-    from optc.export.reading import load_dequantized
-    from optc.model.load import CheckpointRead
-
-    model, qparams = load_dequantized(Path(path), dtype, read_awq)
-    return CheckpointRead(model, qparams)
 
 
 def _qweight_values(fh: Any, key: str) -> int | None:
@@ -241,10 +235,10 @@ AWQ = Format(
     description="AWQ GEMM, 4-bit with contiguous groups (AutoAWQ layout), loaded by transformers and vLLM",
     fits=_fits,
     write=_write,
-    read=_read,
+    read=dequantizing_reader(read_awq),
     detect=lambda path: quant_method(path) == FORMAT,
     describe=_describe,
-    bits_per_weight=_bits_per_weight,
+    bits_per_weight=grid_bits_per_weight,
     one_scheme=True,
     needs_quantized=True,
     usage="""transformers (with an AWQ kernel package installed):

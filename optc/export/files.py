@@ -19,6 +19,29 @@ from optc.errors import OptcError
 CONFIG = "config.json"
 
 
+def grid_bits_per_weight(scheme: Any, in_features: int) -> float | None:
+    """Stored bits per weight of a Linear on ``scheme``'s grid with an 8-byte scale and zero point
+    per group (the GPTQ and AWQ layouts); None for a Linear kept in float."""
+    if scheme is None:
+        return None
+    group = scheme.group_size or in_features
+    return scheme.bits + 64 * math.ceil(in_features / group) / in_features
+
+
+def dequantizing_reader(read_state: Callable[[Path], tuple[dict, dict]]) -> Callable[[Path, Any], Any]:
+    """A ``Format.read`` that builds the float model from ``read_state(path)``: the dequantized
+    state dict and the grids (see :func:`optc.export.reading.load_dequantized`)."""
+
+    def read(path: Path, dtype: Any) -> Any:
+        from optc.export.reading import load_dequantized
+        from optc.model.load import CheckpointRead
+
+        model, qparams = load_dequantized(Path(path), dtype, read_state)
+        return CheckpointRead(model, qparams)
+
+    return read
+
+
 def config_file(path: Path) -> Path | None:
     """``path/config.json`` when ``path`` is a directory holding one."""
     path = Path(path)

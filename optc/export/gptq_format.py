@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +30,9 @@ import optc
 from optc.errors import OptcError
 from optc.export.files import (
     code_sparsity,
+    dequantizing_reader,
     describe_safetensors,
+    grid_bits_per_weight,
     one_scheme_summary,
     quant_method,
     read_config,
@@ -237,26 +238,11 @@ def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
     return None
 
 
-def _bits_per_weight(scheme: QuantScheme | None, in_features: int) -> float | None:
-    if scheme is None:
-        return None
-    group = scheme.group_size or in_features
-    return scheme.bits + 64 * math.ceil(in_features / group) / in_features  # 8-byte scale + zero per group
-
-
 def _write(src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None, requantize: bool = False) -> dict:
     refuse_activations(src, FORMAT)
     summary = write_gptq_source(src, directory, max_shard_bytes=DEFAULT_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes)
     save_tokenizer(src, directory)
     return summary
-
-
-def _read(path: Path, dtype: Any):
-    from optc.export.reading import load_dequantized
-    from optc.model.load import CheckpointRead
-
-    model, qparams = load_dequantized(Path(path), dtype, read_gptq)
-    return CheckpointRead(model, qparams)
 
 
 def _qweight_values(fh: Any, key: str, bits: int) -> int | None:
@@ -283,10 +269,10 @@ GPTQ = Format(
     description="GPTQ v1, one 2/3/4/8-bit scheme (AutoGPTQ/GPTQModel layout), loaded by transformers (optimum), vLLM and TGI",
     fits=_fits,
     write=_write,
-    read=_read,
+    read=dequantizing_reader(read_gptq),
     detect=lambda path: quant_method(path) == FORMAT,
     describe=_describe,
-    bits_per_weight=_bits_per_weight,
+    bits_per_weight=grid_bits_per_weight,
     one_scheme=True,
     needs_quantized=True,
     usage="""transformers (with `optimum` and `gptqmodel` installed):
