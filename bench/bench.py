@@ -2,7 +2,8 @@
 
 Protocol (see README): float32 SmolLM2-135M; calibration on the first 128 non-overlapping
 512-token chunks of WikiText-2 validation; perplexity on the first 40 non-overlapping
-2048-token windows of WikiText-2 raw test. Each recipe runs as its own `optc quantize` process
+2048-token windows of WikiText-2 raw test, and the same on an out-of-domain text that no stage
+ever sees (the King James Bible, ``bench/ood_text.py``). Each recipe runs as its own `optc quantize` process
 so wall time and peak RSS are those of the whole command, start to written checkpoint.
 """
 
@@ -17,6 +18,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ood_text import fetch as fetch_ood
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("OPTC_DATA", ROOT.parent / "shared" / "data"))
@@ -45,9 +48,9 @@ def run_child(cmd: list[str]) -> tuple[float, float, str]:
     return time.perf_counter() - t0, usage.ru_maxrss / 2**20, ""
 
 
-def evaluate(model: str, windows: int) -> float:
+def evaluate(model: str, windows: int, text: Path = TEST) -> float:
     out = subprocess.run(
-        [*OPTC, "eval", model, "--dataset", str(TEST), "--seqlen", "2048", "--windows", str(windows), "--json"],
+        [*OPTC, "eval", model, "--dataset", str(text), "--seqlen", "2048", "--windows", str(windows), "--json"],
         check=True, capture_output=True, text=True,
     ).stdout
     metrics = json.loads(out)["metrics"]
@@ -71,12 +74,18 @@ def main() -> None:
     ap.add_argument("--no-transformers", action="store_true",
                     help="skip the second evaluation through plain transformers")
     ap.add_argument("--no-baseline", action="store_true", help="skip the float32 row")
+    ap.add_argument("--no-ood", action="store_true", help="skip the out-of-domain perplexity")
     args = ap.parse_args()
+    ood = None if args.no_ood else fetch_ood()
+
+    def ood_ppl(model: str) -> float | None:
+        return None if ood is None else evaluate(model, args.windows, ood)
+
     for f in (CALIB, TEST):
         if not f.is_file():
             raise SystemExit(f"missing {f} (set OPTC_DATA to the folder holding WikiText-2)")
     rows = [] if args.no_baseline else [
-        ("float32 baseline", evaluate("smollm2-135m", args.windows), None, None, None, None)]
+        ("float32 baseline", evaluate("smollm2-135m", args.windows), ood_ppl("smollm2-135m"), None, None, None, None)]
     work = Path(tempfile.mkdtemp(prefix="optc-bench-"))
     try:
         for recipe in args.recipes:
@@ -90,19 +99,21 @@ def main() -> None:
             hf = None
             if written.startswith("compressed-tensors") and not args.no_transformers:
                 hf = evaluate_hf(str(out_dir), args.windows)
-            rows.append((recipe, evaluate(str(out_dir), args.windows), hf, seconds, rss, size / 2**20))
+            rows.append((recipe, evaluate(str(out_dir), args.windows), ood_ppl(str(out_dir)), hf, seconds, rss,
+                         size / 2**20))
             # one line per finished recipe, so a long run that dies keeps what it measured
             print(f"{recipe}: done {rows[-1]}", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     lines = [
-        "| recipe | perplexity (optc) | perplexity (transformers) | quantize wall (s) | peak RSS (GiB) | checkpoint (MiB) |",
-        "|---|---|---|---|---|---|",
+        "| recipe | WikiText-2 perplexity (optc) | out-of-domain perplexity (KJV) | WikiText-2 (transformers) "
+        "| quantize wall (s) | peak RSS (GiB) | checkpoint (MiB) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, ppl, hf, sec, rss, size in rows:
+    for name, ppl, ood_p, hf, sec, rss, size in rows:
         fmt = lambda v, d: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
         lines.append(
-            f"| {name} | {ppl:.2f} | {fmt(hf, 2)} | {fmt(sec, 0)} | {fmt(rss, 2)} | {fmt(size, 1)} |"
+            f"| {name} | {ppl:.2f} | {fmt(ood_p, 2)} | {fmt(hf, 2)} | {fmt(sec, 0)} | {fmt(rss, 2)} | {fmt(size, 1)} |"
         )
     table = "\n".join(lines)
     print(table)

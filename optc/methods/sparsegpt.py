@@ -41,7 +41,8 @@ def run_sparsegpt(ws: Workspace, cfg: SparseGPTStage) -> dict:
         )
         new_w = res.weight
         if cfg.refit:
-            new_w = masked_least_squares(w, acc.H, res.mask, dampening=cfg.dampening)
+            new_w = masked_least_squares(
+                w, acc.H, res.mask, start=new_w, dampening=cfg.dampening)
         set_weight_2d(module, new_w)
         return res.mask, {"sparsegpt_loss": round(res.loss, 6)}
 
