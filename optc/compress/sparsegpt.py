@@ -186,17 +186,16 @@ def masked_least_squares(
     rz = (R * Z).sum(1)
     stop = rz.clamp_min(0) * tol**2
     iters = 0
-    for iters in range(k if max_iters is None else max_iters):
-        if bool((rz <= stop).all()):
-            break
+    while iters < (k if max_iters is None else max_iters) and not bool((rz <= stop).all()):
+        iters += 1
         AP = (P @ Hd).mul_(M)
         pap = (P * AP).sum(1)
-        alpha = torch.where(pap > 0, rz / pap.clamp_min(1e-30), torch.zeros_like(rz))
+        alpha = torch.where(pap > 0, rz / pap.clamp_min(1e-30), 0.0)
         X.addcmul_(alpha[:, None], P)
         R.addcmul_(alpha[:, None], AP, value=-1.0)
         torch.mul(R, inv_d, out=Z)
         rz_new = (R * Z).sum(1)
-        beta = torch.where(rz > 0, rz_new / rz.clamp_min(1e-30), torch.zeros_like(rz))
+        beta = torch.where(rz > 0, rz_new / rz.clamp_min(1e-30), 0.0)
         P.mul_(beta[:, None]).add_(Z)
         rz = rz_new
     log.debug("masked least squares [%dx%d]: %d iterations", n, k, iters)
