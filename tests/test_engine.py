@@ -207,3 +207,32 @@ def test_collect_shares_inputs_and_sees_every_batch(arch: str) -> None:
         assert len(acc.store) == len(expected[name]) == 3, (name, shared)
         for x, e in zip(acc.store, expected[name]):
             torch.testing.assert_close(x, e)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt", "gpt2"])
+def test_input_groups_follow_the_layer_calls(arch: str) -> None:
+    """input_groups (one batch) finds the same groups, in the same order, as a full collect."""
+    model = tiny_model(arch)
+    ids = tiny_tokens(n=6, seqlen=16)
+    found: dict[str, object] = {}
+
+    def solve(step):
+        if step.index == 0:
+            names = list(step.linears)
+            order: list[str] = []
+
+            def make(n, m):
+                order.append(n)
+                return _Keep([])
+
+            accs = step.collect(names, make)
+            expected = [[n for n in names if accs[n] is accs[o]] for o in order]
+            found["groups"], found["expected"] = step.input_groups(names), expected
+            found["forwards"] = step.forwards
+        return {}
+
+    run_sequential(model, ids, solve, targets=[r"\.0\."], ignore=["lm_head"], batch_size=2)
+    assert found["groups"] == found["expected"]
+    assert found["forwards"] == 1  # a single batch is not a layer forward
+    if arch == "llama":
+        assert [len(g) for g in found["groups"]] == [3, 1, 2, 1]

@@ -9,10 +9,10 @@ from optc.calibrate.hessian import HessianAccumulator
 from optc.model.anatomy import select_linears, weight_2d
 from optc.calibrate.stats import FeatureNormAccumulator
 from optc.compress.gptq import gptq_quantize
-from optc.compress.masks import nm_mask, nm_violations, parse_pattern
+from optc.compress.masks import PackedMasks, nm_mask, nm_violations, pack_mask, parse_pattern, unpack_mask
 from optc.compress.owl import outlier_ratio, owl_sparsities
 from optc.compress.quant import QuantScheme, quantize
-from optc.compress.sparsegpt import masked_least_squares, sparsegpt_prune
+from optc.compress.sparsegpt import masked_least_squares, shrink_hessian, sparsegpt_prune
 from optc.compress.wanda import wanda_mask, wanda_scores
 from optc.data import CalibrationConfig
 from optc.errors import OptcError
@@ -76,6 +76,30 @@ def test_every_method_keeps_exactly_n_of_every_m(shape: tuple[int, int], pattern
         assert torch.equal(_nonzeros_per_group(w, m), torch.full((rows, cols // m), n)), method
         assert nm_violations(w, n, m) == 0
     assert torch.equal(res.weight != 0, res.mask)
+
+
+@pytest.mark.parametrize("shape", [(7, 13), (4, 8), (1, 1), (0, 5), (3, 4, 5)])
+def test_packed_masks_round_trip_the_bit_layout(shape: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(sum(shape))
+    mask = torch.rand(shape, generator=g) < 0.5
+    bits = pack_mask(mask)
+    assert bits.dtype == torch.uint8 and bits.numel() == -(-mask.numel() // 8)
+    # Reference unpacker from the layout: bit j of byte i is element 8 i + j, row-major.
+    flat = [bool((int(bits[i // 8]) >> (i % 8)) & 1) for i in range(mask.numel())]
+    assert flat == mask.reshape(-1).tolist()
+    assert torch.equal(unpack_mask(bits, tuple(shape)), mask)
+
+
+def test_packed_masks_mapping() -> None:
+    a, b = torch.rand(6, 8) < 0.5, torch.rand(3, 5) < 0.5
+    masks = PackedMasks({"a": a})
+    masks["b"] = b
+    assert list(masks) == ["a", "b"] and len(masks) == 2 and "a" in masks
+    assert torch.equal(masks["a"], a) and torch.equal(masks.get("b"), b) and masks.get("c") is None
+    assert torch.equal(masks.pop("a"), a) and list(masks) == ["b"]
+    with pytest.raises(TypeError, match="bool"):
+        masks["c"] = torch.ones(2, 2)
+    assert isinstance(Workspace(model=tiny_model("llama"), tokenizer=None, masks={"b": b}).masks, PackedMasks)
 
 
 def test_nm_violations_counts_dense_groups() -> None:
@@ -303,6 +327,33 @@ def test_refit_lowers_the_model_error_and_keeps_the_mask() -> None:
     # Same mask where the inputs are the same (later layers see the refit layers' outputs).
     first = [n for n in masks[True] if n.startswith("model.layers.0.")]
     assert first and all(torch.equal(masks[True][n], masks[False][n]) for n in first)
+
+
+def test_hessian_shrinkage_interpolates_toward_the_diagonal() -> None:
+    X = torch.randn(64, 12, generator=torch.Generator().manual_seed(3))
+    H = 2 * X.T @ X / 64
+    assert torch.equal(shrink_hessian(H, 0.0), H) and torch.equal(shrink_hessian(H, 1.0), torch.diag(torch.diag(H)))
+    S = shrink_hessian(H, 0.3)
+    off = ~torch.eye(12, dtype=torch.bool)
+    torch.testing.assert_close(S[off], 0.7 * H[off])
+    assert torch.equal(torch.diag(S), torch.diag(H)) and H.data_ptr() != S.data_ptr()
+    with pytest.raises(OptcError, match="shrinkage"):
+        shrink_hessian(H, 1.5)
+
+
+def test_sparsegpt_stage_solves_on_the_shrunk_hessian() -> None:
+    """shrinkage a: the stage prunes each Linear as the kernel does on (1 - a) H + a diag(H);
+    a = 1 leaves no cross-input compensation, so each row's kept weights stay as they were."""
+    ws = _workspace("llama")
+    name = "model.layers.0.mlp.down_proj"
+    w0 = weight_2d(select_linears(ws.model, [".*"], ["lm_head"])[name]).detach().clone()
+    _stage(ws, type="sparsegpt", pattern="2:4", shrinkage=1.0, refit=True, targets=[r"down_proj"])
+    w = weight_2d(select_linears(ws.model, [".*"], ["lm_head"])[name]).detach()
+    keep = ws.masks[name]
+    torch.testing.assert_close(w[keep], w0[keep])
+    assert nm_violations(w, 2, 4) == 0
+    with pytest.raises(ValueError, match="shrinkage"):
+        METHODS["sparsegpt"].config.model_validate({"type": "sparsegpt", "shrinkage": 2})
 
 
 def test_owl_and_overrides_set_per_layer_sparsity() -> None:

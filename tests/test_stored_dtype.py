@@ -128,3 +128,21 @@ def test_8bit_embedding_in_gguf_and_refused_elsewhere(tiny_checkpoint: Path, tmp
     assert result.exit_code == 1
     assert "embedding_bits 8 is refused" in result.output and "GGUF stores it as Q8_0" in result.output
     assert not (tmp_path / "ct").exists()
+
+
+def test_cast_tensors_are_converted_only_when_written() -> None:
+    """A cast export holds one converted tensor at a time: CastSource hands out lazy entries,
+    which make the same tensor the cast would."""
+    from optc.export.source import CastSource, ModelSource
+    from optc.model.safetensors_io import Lazy
+    from optc.testing import tiny_model
+
+    model = tiny_model("llama")
+    src = CastSource(ModelSource(model), torch.bfloat16, keep={"model.layers.0.mlp.up_proj.weight"})
+    for key in src.keys():
+        e = src.entry(key)
+        if key == "model.layers.0.mlp.up_proj.weight":
+            assert isinstance(e, torch.Tensor) and e.dtype == torch.float32
+            continue
+        assert isinstance(e, Lazy) and (e.dtype, e.shape) == (torch.bfloat16, tuple(src.tensor(key).shape))
+        assert torch.equal(e.make(), model.state_dict()[key].to(torch.bfloat16))

@@ -36,7 +36,7 @@ from optc.calibrate.observers import (
     MinMaxObserver,
     MovingAverageMinMaxObserver,
 )
-from optc.calibrate.stats import Discard, FeatureNormAccumulator, GramAccumulator, InputSampler
+from optc.calibrate.stats import FeatureNormAccumulator, GramAccumulator, InputSampler
 from optc.errors import OptcError
 
 log = logging.getLogger(__name__)
@@ -264,7 +264,6 @@ REDUCERS: dict[type, Callable[[Any], None]] = {
     MovingAverageMinMaxObserver: _reduce_moving,
     HistogramObserver: _reduce_histogram,
     ActivationStats: _reduce_activation_stats,
-    Discard: lambda acc: None,
 }
 
 

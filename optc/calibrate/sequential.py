@@ -209,6 +209,28 @@ class LayerStep:
             distributed.reduce_all(accs)  # torchrun: statistics of every rank's samples
         return {**accs, **{n: accs[a] for n, a in alias.items()}}
 
+    def input_groups(self, names: list[str]) -> list[list[str]]:
+        """The named Linears grouped by the input tensor they share (q/k/v, gate/up), groups in
+        the order the layer reads those inputs and each group in ``names`` order; found from the
+        first batch alone, since the calls of a layer do not depend on the data."""
+        firsts: list[tuple[torch.Tensor, list[str]]] = []
+        seen: set[str] = set()
+
+        def feed(name: str, x: torch.Tensor) -> None:
+            if name in seen:
+                return
+            seen.add(name)
+            group = next((g for t, g in firsts if t is x), None)
+            if group is None:
+                firsts.append((x, [name]))
+            else:
+                group.append(name)
+
+        with torch.inference_mode(), input_hooks({n: self.linears[n] for n in names}, feed):
+            _call_layer(self.layer, self.batches[0], self.autocast)
+        rank = {n: i for i, n in enumerate(names)}
+        return [sorted(g, key=rank.__getitem__) for _, g in firsts]
+
     @torch.inference_mode()
     def advance(self) -> None:
         """Replace each batch's inputs by this layer's outputs, one batch at a time, so only

@@ -106,10 +106,3 @@ class GramAccumulator:
     def gram(self) -> torch.Tensor:
         """``X^T X / T`` (the Hessian accumulator keeps GPTQ's ``2 / T`` convention)."""
         return self.hessian.H.mul_(0.5)
-
-
-class Discard:
-    """Accumulator for inputs a later pass will collect again."""
-
-    def add(self, x: torch.Tensor) -> None:
-        pass

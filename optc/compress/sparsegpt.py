@@ -139,6 +139,25 @@ def sparsegpt_prune(
     return SparseGPTResult(weight=Wf.to(W.dtype), mask=keep_mask, loss=loss, seconds=seconds)
 
 
+def shrink_hessian(H: torch.Tensor, shrinkage: float) -> torch.Tensor:
+    """``(1 - a) H + a diag(H)``: the input correlations shrunk toward their diagonal (Ledoit &
+    Wolf 2004, "A well-conditioned estimator for large-dimensional covariance matrices"), a new
+    tensor.
+
+    The off-diagonal of ``H`` is where the calibration text's own style lives: the weight
+    updates that SparseGPT and the refit make lean on it, and on text of another domain a
+    part of their gain turns into error. Per-Linear reconstruction errors of the default model
+    (4 layers, 2:4, fit on WikiText-2 validation) relative to plain SparseGPT: the exact refit
+    0.82 on held-out WikiText but 0.98 on the King James Bible; with ``a = 0.35`` 0.89 and 0.88.
+    ``a = 1`` keeps only the diagonal (Wanda's statistic, no cross-input compensation).
+    """
+    if not 0 <= shrinkage <= 1:
+        raise OptcError(f"Hessian shrinkage must be in [0, 1], got {shrinkage}")
+    out = H.detach().to(torch.float32) * (1 - shrinkage)
+    out.diagonal().add_(torch.diagonal(H).to(torch.float32), alpha=shrinkage)
+    return out
+
+
 def masked_least_squares(
     W: torch.Tensor,
     H: torch.Tensor,

@@ -201,9 +201,14 @@ class CastSource:
         return t.to(self.dtype) if self._casts(key, t.dtype) else t
 
     def entry(self, key: str):
-        dtype, _ = self.inner.spec(key)
-        # A byte range on disk holds the old dtype: a cast tensor is loaded and converted.
-        return self.tensor(key) if self._casts(key, dtype) else self.inner.entry(key)
+        from optc.model.safetensors_io import Lazy
+
+        dtype, shape = self.inner.spec(key)
+        if not self._casts(key, dtype):
+            return self.inner.entry(key)
+        # Converted only when written: casting every tensor up front held a second copy of the
+        # whole model (in the stored dtype) while the files were written.
+        return Lazy(lambda: self.tensor(key), self.dtype, shape)
 
     def linears(self) -> list[str]:
         return self.inner.linears()

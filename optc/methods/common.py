@@ -12,7 +12,6 @@ from collections.abc import Iterator
 import torch
 
 from optc.calibrate.sequential import LayerStep, run_sequential
-from optc.calibrate.stats import Discard
 from optc.compress.masks import nm_violations
 from optc.methods.base import LinearsConfig
 from optc.methods.workspace import Workspace
@@ -45,18 +44,9 @@ def run_calibration(ws: Workspace, cfg: LinearsConfig, solve, description: str, 
 
 def collect_in_order(step: LayerStep, names: list[str], make) -> Iterator[tuple[list[str], dict]]:
     """Groups of Linears sharing one input, in execution order, each collected only after the
-    previous groups were compressed (true-sequential). The first pass also finds the order: the
-    engine creates one accumulator per distinct input, in the order the inputs occur."""
-    order: list[str] = []
-
-    def first_only(name: str, module: torch.nn.Module):
-        order.append(name)
-        return make(name, module) if len(order) == 1 else Discard()
-
-    accs = step.collect(names, first_only)
-    groups = [[n for n in names if n in accs and accs[n] is accs[o]] for o in order]
-    yield groups[0], {n: accs[n] for n in groups[0]}
-    for group in groups[1:]:
+    previous groups were compressed (true-sequential). Each collect stops at its own group's
+    input, so the first group costs little more than its statistics."""
+    for group in step.input_groups(names):
         yield group, step.collect(group, make)
 
 

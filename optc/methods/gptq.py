@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
@@ -48,7 +48,7 @@ def solve_gptq(
     names: list[str],
     hessians: dict[str, HessianAccumulator],
     scheme_for: Callable[[str], QuantScheme | None],
-    masks: dict[str, torch.Tensor],
+    masks: Mapping[str, torch.Tensor],
     **options,
 ) -> Iterator[tuple[str, GPTQResult]]:
     """GPTQ for the named Linears of one layer, each from its input's Hessian, yielded one

@@ -21,6 +21,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -157,7 +158,7 @@ def attach_adapters(
     model: nn.Module,
     linears: dict[str, nn.Module],
     cfg: RecoverStage,
-    masks: dict[str, torch.Tensor],
+    masks: Mapping[str, torch.Tensor],
     qparams: dict[str, QuantParams],
     latents: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, LoraLinear]:

@@ -19,6 +19,10 @@ class SparseGPTStage(CalibratedPruneConfig):
     type: Literal["sparsegpt"]
     block_size: int = Field(128, gt=0, description="columns whose mask is chosen together")
     dampening: float = Field(0.01, gt=0, description="fraction of mean diag(H) added to H")
+    shrinkage: float = Field(
+        0.0, ge=0, le=1, description="shrink the input Hessian toward its diagonal, (1 - a) H + a diag(H), "
+        "before the sweep and the refit: less reliance on the calibration text's correlations",
+    )
     refit: bool = Field(
         False, description="after the sweep, re-solve the kept weights exactly (least squares "
         "on the layer's inputs) for the final mask",
@@ -27,7 +31,7 @@ class SparseGPTStage(CalibratedPruneConfig):
 
 def run_sparsegpt(ws: Workspace, cfg: SparseGPTStage) -> dict:
     from optc.calibrate.hessian import HessianAccumulator
-    from optc.compress.sparsegpt import masked_least_squares, sparsegpt_prune
+    from optc.compress.sparsegpt import masked_least_squares, shrink_hessian, sparsegpt_prune
     from optc.methods._calibrated_prune import run_calibrated_prune
     from optc.model.anatomy import set_weight_2d
 
@@ -35,14 +39,15 @@ def run_sparsegpt(ws: Workspace, cfg: SparseGPTStage) -> dict:
         return HessianAccumulator(k, matmul_dtype=ws.calibration.autocast_dtype(), fold=step.fold)
 
     def prune(name, module, w, acc, sparsity, nm, keep):
+        H = shrink_hessian(acc.H, cfg.shrinkage) if cfg.shrinkage else acc.H
         res = sparsegpt_prune(
-            w, acc.H, sparsity=sparsity, nm=nm, keep=keep, block_size=cfg.block_size,
+            w, H, sparsity=sparsity, nm=nm, keep=keep, block_size=cfg.block_size,
             dampening=cfg.dampening, name=name,
         )
         new_w = res.weight
         if cfg.refit:
             new_w = masked_least_squares(
-                w, acc.H, res.mask, start=new_w, dampening=cfg.dampening)
+                w, H, res.mask, start=new_w, dampening=cfg.dampening)
         set_weight_2d(module, new_w)
         return res.mask, {"sparsegpt_loss": round(res.loss, 6)}
 

@@ -5,7 +5,7 @@ Importable without torch (its tensor fields are only annotations), so the regist
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,7 +30,9 @@ class Workspace:
     device: str = "cpu"
     progress: Progress = field(default_factory=NullProgress)
     qparams: dict[str, QuantParams] = field(default_factory=dict)
-    masks: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Keep masks by module name, held packed (PackedMasks: a bit per weight); a plain dict given
+    # here is packed.
+    masks: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
     nm: tuple[int, int] | None = None  # the N:M pattern the masks follow, if any
     teacher: torch.nn.Module | None = None  # the uncompressed model, for distillation
     evaluate: Callable[[torch.nn.Module], dict] | None = None  # the recipe's evaluation
@@ -40,6 +42,12 @@ class Workspace:
     # layers (resume); streams them when streaming.
     store: Any | None = None
     _ids: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        from optc.compress.masks import PackedMasks
+
+        if not isinstance(self.masks, PackedMasks):
+            self.masks = PackedMasks(self.masks)
 
     def calibration_ids(self) -> torch.Tensor:
         if self._ids is None:
