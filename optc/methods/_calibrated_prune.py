@@ -54,7 +54,7 @@ class CalibratedPruneConfig(LinearsConfig):
     )
     sequential: bool = Field(
         False, description="prune a layer's Linears in execution order, each calibrated on the "
-        "outputs of the ones already pruned (one more layer forward per group)",
+        "outputs of the ones already pruned (a partial layer forward per group, up to its input)",
     )
 
     @field_validator("pattern")

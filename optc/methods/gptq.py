@@ -36,7 +36,7 @@ class GPTQStage(WeightQuantConfig):
     observer: Literal["minmax", "mse"] = "mse"
     sequential: bool = Field(
         False, description="true-sequential: quantize a layer's Linears in execution order, each "
-        "calibrated on the outputs of the ones already quantized (one more layer forward per group)",
+        "calibrated on the outputs of the ones already quantized (a partial layer forward per group, up to its input)",
     )
 
     def permuted_groups(self) -> bool:
