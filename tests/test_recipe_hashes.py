@@ -29,7 +29,7 @@ PINNED = {
     "int8-smoothquant.yaml": "448477f358f9f2040ab90423ab83e36d3af5ac4677603df2127d77b9170b595e",
     "int8.yaml": "7a584dece0c679fff0174cfd181cf4f044daae12b94ba11d9fb4f85eef5af2aa",
     "prune-2of4-magnitude.yaml": "5ae23fe331d959f699f3ebe9285363f16efcbbcf4d9e40e8cfe42cce5ed18d8a",
-    "prune-2of4-sparsegpt.yaml": "f16b3dc7645a57d75a9ea4620e6bc860563b808015275e6e0016e02b6c78a913",
+    "prune-2of4-sparsegpt.yaml": "ce169884c4ebf09958d25787d19cb2f41ef4ef4caffc802103a17cd86141850a",
     "prune-2of4-wanda.yaml": "c98b65c303736ddcab15cbea6c1680cfda12805667eafffe41b019e6356f7d06",
     "prune-50-wanda.yaml": "d49c2268c16cfd50dd491e95e811e5d5e8f03305064b7309c30b61ea68ea96eb",
     "prune-heads.yaml": "e184173e0805859a215e1af4f524fde9f2c89f65e3913b2c19b15f0eec0e2a77",
