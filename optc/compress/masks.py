@@ -7,6 +7,7 @@ layout sparse tensor cores need.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, MutableMapping
 
 import torch
@@ -71,12 +72,9 @@ def pack_mask(mask: torch.Tensor) -> torch.Tensor:
 
 def unpack_mask(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """The bool mask of ``shape`` that :func:`pack_mask` packed into ``bits``."""
-    n = 1
-    for d in shape:
-        n *= d
     weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=bits.device)
     flat = (bits[:, None] & weights).ne(0).reshape(-1)
-    return flat[:n].reshape(shape)
+    return flat[: math.prod(shape)].reshape(shape)
 
 
 class PackedMasks(MutableMapping):

@@ -39,7 +39,7 @@ def run_sparsegpt(ws: Workspace, cfg: SparseGPTStage) -> dict:
         return HessianAccumulator(k, matmul_dtype=ws.calibration.autocast_dtype(), fold=step.fold)
 
     def prune(name, module, w, acc, sparsity, nm, keep):
-        H = shrink_hessian(acc.H, cfg.shrinkage) if cfg.shrinkage else acc.H
+        H = shrink_hessian(acc.H, cfg.shrinkage)  # shrinkage 0: H's values exactly
         res = sparsegpt_prune(
             w, H, sparsity=sparsity, nm=nm, keep=keep, block_size=cfg.block_size,
             dampening=cfg.dampening, name=name,
