@@ -95,3 +95,16 @@ def test_chat_calibrated_example_recipe(tiny_checkpoint: Path, tmp_path: Path) -
     assert "a mix of `builtin` (rendering chat" not in text  # rendering is said in words
     assert "4 samples of 32 tokens from a mix of `builtin` (rendered with the model's chat template) (75%)" in text
     assert "`builtin` (25%)" in text and "used by gptq" in text
+
+
+def test_readme_recipes_parse() -> None:
+    """Every recipe shown in the README (a ```yaml block with ``version:``) is a valid recipe."""
+    import re
+
+    from optc.recipe import parse_recipe, safe_load_unique
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", readme, flags=re.S) if b.startswith("version:")]
+    assert len(blocks) >= 2
+    for block in blocks:
+        parse_recipe(safe_load_unique(block), "README.md")
