@@ -21,7 +21,6 @@ import torch
 
 from optc.data import CalibrationConfig, evaluation_tokens
 from optc.evaluate.perplexity import perplexity, windows_of
-from optc.export.convert import export_model
 from optc.export.load import load_checkpoint as load_model  # optc's readers for its own formats
 from optc.compress.actquant import input_quant_of
 from optc.export.source import ModelSource
@@ -49,7 +48,10 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=512)
     ap.add_argument("--formats", nargs="+", choices=[*FORMATS, *W8A8], default=[*FORMATS, *W8A8],
                     help="checkpoints to (re)write; the others keep their entries in reference.json")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
+                    help="unquantized tensors' dtype (optc run's default for this float32 GGUF source: bfloat16)")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     loaded = load_model("smollm2-135m")
     test = DATA / "wikitext-2-raw-test.txt"
@@ -67,7 +69,9 @@ def main() -> None:
     for fmt in (f for f in FORMATS if f in args.formats):
         directory = args.out / fmt
         directory.mkdir(exist_ok=True)
-        export_model(model, loaded.tokenizer, ws.qparams, fmt, directory)
+        # dense stays float32: the runtime's own baseline for the same weights, cast once by it.
+        export_checkpoint(ModelSource(model, loaded.tokenizer, ws.qparams), fmt, directory, "2GB",
+                          None if fmt == "dense" else dtype)
         ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
         reference["formats"][fmt] = {"optc_reader": ppl}
         print(f"{fmt}: optc reader perplexity {ppl:.4f}", flush=True)
@@ -80,7 +84,7 @@ def main() -> None:
         directory = args.out / name
         directory.mkdir(exist_ok=True)
         src = ModelSource(w8, loaded.tokenizer, w8_ws.qparams, input_quant_of(w8))
-        export_checkpoint(src, "compressed-tensors", directory, "2GB")  # int-quantized: inputs are quantized
+        export_checkpoint(src, "compressed-tensors", directory, "2GB", dtype)  # int-quantized: inputs are quantized
         ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
         reference["formats"][name] = {"optc_reader": ppl, "in_memory": perplexity(w8, tokens, args.seqlen, args.windows).perplexity}
         print(f"{name}: optc reader perplexity {ppl:.4f}", flush=True)

@@ -159,6 +159,32 @@ def test_architectures_without_llama_layout_are_refused(tmp_path, tiny_tokenizer
     assert not (tmp_path / "m.gguf").exists()
 
 
+def _pre_type(path) -> str:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields["tokenizer.ggml.pre"]
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def test_pre_tokenizer_is_a_name_llama_cpp_knows(tiny_lm, tiny_tokenizer, tmp_path) -> None:
+    """A plain byte-level tokenizer is llama.cpp's ``gpt-2`` (it refuses ``gpt2``); a GGUF source's
+    own name (kept by the loader in the tokenizer's config) wins over the guess."""
+    write_gguf(tiny_lm, tiny_tokenizer, tmp_path / "a.gguf", "f16")
+    assert _pre_type(tmp_path / "a.gguf") == "gpt-2"
+    tiny_tokenizer.init_kwargs["gguf_pre_tokenizer"] = "smollm"
+    try:
+        write_gguf(tiny_lm, tiny_tokenizer, tmp_path / "b.gguf", "f16")
+    finally:
+        del tiny_tokenizer.init_kwargs["gguf_pre_tokenizer"]
+    assert _pre_type(tmp_path / "b.gguf") == "smollm"
+
+
+def test_default_model_keeps_its_gguf_pre_tokenizer(default_tokenizer) -> None:
+    from optc.export.gguf_format import tokenizer_metadata
+
+    assert tokenizer_metadata(default_tokenizer)["pre"] == "smollm"
+
+
 @pytest.mark.real_model
 def test_real_model_q4_0_reloads_with_same_logits(default_model, tmp_path) -> None:
     model, qparams = quantize_rtn(default_model.model, default_model.tokenizer, bits=4, group_size=32)

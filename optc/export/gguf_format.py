@@ -34,6 +34,7 @@ import optc
 from optc.errors import OptcError
 from optc.export.registry import Format
 from optc.export.source import ExportSource, ModelSource, refuse_activations
+from optc.model.load import GGUF_PRE_TOKENIZER_KEY
 
 if TYPE_CHECKING:
     import numpy as np
@@ -146,7 +147,7 @@ def permute_rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
 def _pre_tokenizer_name(pre: dict | None) -> str:
     """llama.cpp's ``tokenizer.ggml.pre`` for a byte-level BPE pre-tokenizer we can recognise."""
     if pre and pre.get("type") == "ByteLevel" and pre.get("use_regex", True):
-        return "gpt2"
+        return "gpt-2"  # llama.cpp's name (llama-vocab.cpp); it refuses "gpt2"
     if pre and pre.get("type") == "Sequence":
         parts = pre.get("pretokenizers") or []
         splits = [p for p in parts if p.get("type") == "Split"]
@@ -188,7 +189,10 @@ def tokenizer_metadata(tokenizer) -> dict:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
     meta = {
         "model": "gpt2",
-        "pre": _pre_tokenizer_name(spec.get("pre_tokenizer")),
+        # A GGUF source's own name first: its family's rules (e.g. ``smollm`` splits digits) are
+        # lost in transformers' byte-level conversion.
+        "pre": (getattr(tokenizer, "init_kwargs", None) or {}).get(GGUF_PRE_TOKENIZER_KEY)
+        or _pre_tokenizer_name(spec.get("pre_tokenizer")),
         "tokens": tokens,
         "token_type": token_types,
         "merges": merges,

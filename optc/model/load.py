@@ -115,23 +115,35 @@ def _strip_gguf_marks(model: torch.nn.Module) -> None:
             model.is_quantized = False
 
 
-def _gguf_architecture(path: Path) -> str:
-    """The architecture a GGUF file declares; a file too short or malformed to have one is refused
-    in one line (gguf's reader fails with struct and numpy errors on it)."""
+# The tokenizer keeps a GGUF source's llama.cpp pre-tokenizer name under this key (saved in
+# tokenizer_config.json): transformers maps e.g. SmolLM's ``smollm`` to a plain byte-level
+# pre-tokenizer, from which the name cannot be recovered, and llama.cpp refuses names it does not know.
+GGUF_PRE_TOKENIZER_KEY = "gguf_pre_tokenizer"
+
+
+def _gguf_header(path: Path) -> dict[str, str]:
+    """The architecture and tokenizer pre-type a GGUF file declares; a file too short or malformed
+    to have them is refused in one line (gguf's reader fails with struct and numpy errors on it)."""
     import struct
 
     from gguf import GGUFReader
 
+    def text(reader: GGUFReader, key: str) -> str | None:
+        field = reader.fields.get(key)
+        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace") if field else None
+
     try:
-        field = GGUFReader(str(path)).fields.get("general.architecture")
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace") if field else "unknown"
+        reader = GGUFReader(str(path))
+        return {"architecture": text(reader, "general.architecture") or "unknown",
+                "pre": text(reader, "tokenizer.ggml.pre") or ""}
     except (ValueError, IndexError, KeyError, EOFError, OSError, struct.error) as exc:
         raise OptcError(f"cannot load GGUF file {path} ({path.stat().st_size} bytes): not a readable GGUF file "
                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
 
 
 def _load_gguf(path: Path, dtype: torch.dtype):
-    arch = _gguf_architecture(path)
+    header = _gguf_header(path)
+    arch = header["architecture"]
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -144,13 +156,28 @@ def _load_gguf(path: Path, dtype: torch.dtype):
         raise OptcError(f"cannot load GGUF file {path}: transformers cannot load architecture {arch!r} "
                         f"from it ({first})") from None
     _strip_gguf_marks(model)
+    if header["pre"]:
+        tokenizer.init_kwargs[GGUF_PRE_TOKENIZER_KEY] = header["pre"]
     return model, tokenizer
+
+
+def _record_gguf_pre(target: Path, name: str) -> None:
+    """Add the GGUF pre-tokenizer name to a cache written before optc kept it."""
+    config = target / "tokenizer_config.json"
+    data = json.loads(config.read_text()) if config.exists() else {GGUF_PRE_TOKENIZER_KEY: None}
+    if GGUF_PRE_TOKENIZER_KEY in data:
+        return
+    pre = _gguf_header(_fetch_builtin_gguf(name))["pre"]
+    if pre:
+        data[GGUF_PRE_TOKENIZER_KEY] = pre
+        config.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 def builtin_model_dir(name: str = DEFAULT_MODEL) -> Path:
     """The cached float safetensors directory of a built-in model, created on first use."""
     target = cache_dir() / "models" / name
     if (target / "config.json").exists():
+        _record_gguf_pre(target, name)
         return target
     gguf_path = _fetch_builtin_gguf(name)
     log.info("converting %s to a float safetensors cache (first use only)", gguf_path.name)
