@@ -186,12 +186,34 @@ def _slice_linear(module: nn.Module, rows: torch.Tensor | None = None, cols: tor
             new.weight.copy_(w.t())
             new.bias.copy_(bias if bias is not None else torch.zeros(out_f))
         return new
-    new = nn.Linear(in_f, out_f, bias=bias is not None, device=w.device, dtype=module.weight.dtype)
-    with torch.no_grad():
-        new.weight.copy_(w)
-        if bias is not None:
-            new.bias.copy_(bias)
+    new = nn.Linear(in_f, out_f, bias=bias is not None, device="meta", dtype=module.weight.dtype)
+    new.weight = nn.Parameter(_reuse_storage(module.weight.detach(), w), requires_grad=module.weight.requires_grad)
+    if bias is not None:
+        new.bias = nn.Parameter(bias.clone(), requires_grad=module.bias.requires_grad)
     return new
+
+
+def _reuse_storage(old: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``w`` written over the front of ``old``'s buffer (``w`` has fewer elements).
+
+    A loaded model's weights are views of the memory-mapped checkpoint, whose pages stay resident
+    after the tensor that used them is dropped: a freshly allocated smaller weight per Linear grew
+    the structured run's peak RSS by most of the pruned model's size. Writing into the old buffer
+    keeps the process at one copy.
+    """
+    if not old.is_contiguous() or old.dtype != w.dtype or old.device != w.device:
+        return w.contiguous().clone()
+    front = old.view(-1)[: w.numel()]
+    w = w.contiguous()
+    if w.data_ptr() == front.data_ptr():  # nothing to move
+        return front.view(w.shape)
+    front.copy_(w.clone().view(-1) if _overlaps(w, old) else w.view(-1))
+    return front.view(w.shape)
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _replace(layer: nn.Module, name: str, new: nn.Module) -> None:
