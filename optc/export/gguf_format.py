@@ -34,7 +34,7 @@ import optc
 from optc.errors import OptcError
 from optc.export.registry import Format
 from optc.export.source import ExportSource, ModelSource, refuse_activations
-from optc.model.load import GGUF_PRE_TOKENIZER_KEY
+from optc.model.gguf_keys import GGUF_PRE_TOKENIZER_KEY
 
 if TYPE_CHECKING:
     import numpy as np

@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from optc.errors import OptcError
+from optc.model.gguf_keys import GGUF_PRE_TOKENIZER_KEY
 
 log = logging.getLogger(__name__)
 
@@ -115,10 +116,6 @@ def _strip_gguf_marks(model: torch.nn.Module) -> None:
             model.is_quantized = False
 
 
-# The tokenizer keeps a GGUF source's llama.cpp pre-tokenizer name under this key (saved in
-# tokenizer_config.json): transformers maps e.g. SmolLM's ``smollm`` to a plain byte-level
-# pre-tokenizer, from which the name cannot be recovered, and llama.cpp refuses names it does not know.
-GGUF_PRE_TOKENIZER_KEY = "gguf_pre_tokenizer"
 
 
 def _gguf_header(path: Path) -> dict[str, str]:
