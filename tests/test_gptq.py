@@ -153,8 +153,8 @@ def test_stacked_rows_get_their_own_solves(symmetric, groups, masked):
         mine = QuantParams(scheme, p.scale[r0:r1], p.zero[r0:r1], p.g_idx)
         assert torch.equal(quantize(part.weight, part.params), quantize(whole.weight[r0:r1], mine))
         assert torch.equal(part.params.zero, mine.zero) and torch.equal(part.params.g_idx, mine.g_idx)
-        torch.testing.assert_close(part.params.scale, mine.scale, rtol=1e-6, atol=0)
-        torch.testing.assert_close(part.weight, whole.weight[r0:r1], rtol=1e-6, atol=0)
+        torch.testing.assert_close(part.params.scale, mine.scale, rtol=1e-5, atol=0)
+        torch.testing.assert_close(part.weight, whole.weight[r0:r1], rtol=1e-5, atol=0)
         torch.testing.assert_close(part.row_loss, whole.row_loss[r0:r1], rtol=1e-5, atol=0)
         r0 = r1
 
