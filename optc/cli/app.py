@@ -87,6 +87,8 @@ TrustOpt = Annotated[bool, typer.Option("--trust-remote-code", help="Allow model
 FormatOpt = Annotated[Optional[str], typer.Option("--format", help=f"Export format: {format_help()}.", autocompletion=completing(_format_names))]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.", metavar=FLAG)]
 GateOpt = Annotated[Optional[list[str]], typer.Option("--gate", help="CI gate, e.g. 'ppl_increase<=5%' (repeatable); a failed gate exits with code 3 after the report is written.")]
+TargetBpwOpt = Annotated[Optional[float], typer.Option("--target-bpw", help="Budget: average stored bits per decoder-Linear weight (scales included), e.g. 3.25; each Linear of the first quantize stage gets the candidate scheme that meets it with the least estimated error.")]
+TargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Budget: size of the weight files, e.g. 80MiB or 2GB; chooses each Linear's scheme like --target-bpw.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; print only errors and failed gates.", metavar=FLAG)]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from the layers it saved beside --output (same checkpoint as an uninterrupted run).", metavar=FLAG)]
 StreamingOpt = Annotated[bool, typer.Option("--streaming", help="Read one decoder layer at a time from the safetensors shards (models larger than memory; default: when the model does not fit).", metavar=FLAG)]

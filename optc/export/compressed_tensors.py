@@ -34,15 +34,35 @@ def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
     return None  # 1..8-bit integer grids of any group size (act-order: checked when written)
 
 
-def _bits_per_weight(scheme: QuantScheme | None, in_features: int) -> float | None:
-    if scheme is None:
-        return None
+def _stored_groups(scheme: QuantScheme, in_features: int) -> int:
     group = scheme.group_size or in_features
     if group < in_features:
         # The writer stores a group size that does not divide K as the finer groups that do
         # (ct_pack's per_layer regrouping): group 7 over 64 columns is 64 groups of one.
         group = math.gcd(group, in_features)
-    return scheme.bits + 64 * math.ceil(in_features / group) / in_features  # 8-byte scale + zero per group
+    return math.ceil(in_features / group)
+
+
+def _bits_per_weight(scheme: QuantScheme | None, in_features: int) -> float | None:
+    if scheme is None:
+        return None
+    return scheme.bits + 64 * _stored_groups(scheme, in_features) / in_features  # 8-byte scale + zero per group
+
+
+def _stored_bits(scheme: QuantScheme | None, out_features: int, in_features: int, float_bits: int,
+                 permuted: bool = False) -> int:
+    """What ct_pack writes for one weight: int32 words of codes packed across each row, a scale per
+    group in the stored float dtype, packed zero points when asymmetric, int32 act-order group
+    indices when permuted, the int64 shape pair."""
+    if scheme is None:
+        return out_features * in_features * float_bits
+    groups = _stored_groups(scheme, in_features)
+    bits = out_features * 32 * math.ceil(in_features * scheme.bits / 32) + out_features * groups * float_bits + 128
+    if not scheme.symmetric:
+        bits += 32 * math.ceil(out_features * scheme.bits / 32) * groups
+    if permuted:
+        bits += 32 * in_features
+    return bits
 
 
 def _write(src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None,
@@ -134,6 +154,7 @@ COMPRESSED_TENSORS = Format(
     detect=_detect,
     describe=_describe,
     bits_per_weight=_bits_per_weight,
+    stored_bits=_stored_bits,
     needs_quantized=True,
     usage="""transformers (with the `compressed-tensors` package installed):
 

@@ -35,6 +35,11 @@ class Format:
     # Stored bits per weight of a Linear with this scheme and in_features, scales and zero points
     # included (for the free-space estimate); None: stored as it is in memory.
     bits_per_weight: Callable[[Any, int], float | None]
+    # stored_bits(scheme, out_features, in_features, float_bits, permuted): exact stored bits of one
+    # Linear weight on a scheme (None: kept in float, at float_bits), its scales, zero points,
+    # act-order indices and shape included: what a size or bits-per-weight budget counts. None:
+    # the format cannot hold a budget's mix of schemes.
+    stored_bits: Callable[[Any, int, int, int, bool], int] | None = None
     one_scheme: bool = False  # one (bits, symmetric) per checkpoint (gptq, awq)
     needs_quantized: bool = False  # refuses a model with nothing quantized
     holds_activations: bool = False  # stores activation quantization (W8A8)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optc.compress.schemes import QuantScheme
 from optc.model.patterns import check_patterns
+from optc.units import parse_size
 
 # One planned weight scheme of a quantizing stage: (where in the config, scheme or None for
 # "left in float", whether act-order groups are permuted on disk).
@@ -46,6 +47,70 @@ class Override(BaseModel):
         return v
 
 
+def _default_candidates() -> list[QuantScheme | None]:
+    return [QuantScheme(bits=b, group_size=64) for b in (2, 3, 4, 8)] + [None]
+
+
+def nominal_bits(scheme: QuantScheme | None) -> float:
+    """Bits per weight of ``scheme`` with 16-bit scales (and packed zero points when asymmetric)
+    on rows its groups divide: what a budget's bits per weight are checked against before a model
+    is loaded (the allocation then counts exactly what the format stores)."""
+    if scheme is None:
+        return 16.0
+    if scheme.group_size is None:
+        return float(scheme.bits)
+    return scheme.bits + (16 + (0 if scheme.symmetric else scheme.bits)) / scheme.group_size
+
+
+class Budget(BaseModel):
+    """Compress to a budget: each Linear the stage quantizes gets one of ``candidates``, chosen to
+    minimise the summed estimated output error with the average bits per weight over the decoder
+    Linears (``bits_per_weight``) or the weights' size on disk (``size``) at or under the target."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    bits_per_weight: float | None = Field(
+        None, gt=0, description="average stored bits per decoder-Linear weight, scales and zero points included")
+    size: int | str | None = Field(
+        None, description="size of the checkpoint's weight files, e.g. 80MiB or 2GB (tokenizer and card not counted)")
+    candidates: list[QuantScheme | None] = Field(
+        default_factory=_default_candidates, description="schemes a Linear may get (null: left in float)")
+    samples: int = Field(
+        16, gt=0, description="calibration sequences of the sensitivity pass (the first ones of the stage's)")
+
+    @field_validator("size")
+    @classmethod
+    def _valid_size(cls, v: int | str | None) -> int | str | None:
+        if v is not None and parse_size(v) <= 0:
+            raise ValueError(f"size must be positive, got {v!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Budget:
+        if (self.bits_per_weight is None) == (self.size is None):
+            raise ValueError("give exactly one of bits_per_weight and size")
+        if not self.candidates:
+            raise ValueError("candidates is empty: list the schemes a Linear may get")
+        labels = [scheme_label(c) for c in self.candidates]
+        if len(set(labels)) < len(labels):
+            raise ValueError(f"candidates repeat a scheme: {', '.join(labels)}")
+        if self.bits_per_weight is not None:
+            lo, hi = min(map(nominal_bits, self.candidates)), max(map(nominal_bits, self.candidates))
+            if not lo <= self.bits_per_weight <= hi:
+                raise ValueError(
+                    f"bits_per_weight {self.bits_per_weight} is outside what the candidates reach "
+                    f"({lo:g} to {hi:g} bits per weight: {', '.join(labels)})")
+        return self
+
+    def target_bytes(self) -> int | None:
+        return None if self.size is None else parse_size(self.size)
+
+
+def scheme_label(scheme: QuantScheme | None) -> str:
+    """A candidate's name in messages and reports (``float`` for a Linear left in float)."""
+    return "float" if scheme is None else scheme.label()
+
+
 class WeightQuantConfig(LinearsConfig):
     """A stage quantizing weights: one scheme, mixed precision by ``overrides``. Every method
     of kind ``quantize`` has such a config, so the size estimate and the export-format check
@@ -53,6 +118,9 @@ class WeightQuantConfig(LinearsConfig):
 
     scheme: QuantScheme = QuantScheme()
     overrides: list[Override] = Field(default_factory=list)
+    budget: Budget | None = Field(
+        None, description="choose each Linear's scheme among candidates to meet a size or bits-per-weight target "
+        "(ignore and overrides stay fixed)")
 
     def scheme_for(self, name: str) -> QuantScheme | None:
         for o in self.overrides:
@@ -67,6 +135,8 @@ class WeightQuantConfig(LinearsConfig):
     def planned_schemes(self) -> list[PlannedScheme]:
         """Every scheme the config can give a Linear: the default, then each override's."""
         permuted = self.permuted_groups()
+        candidates = [] if self.budget is None else [
+            (f"budget candidate {scheme_label(c)}", c, permuted) for c in self.budget.candidates]
         return [("scheme", self.scheme, permuted)] + [
             (f"override {o.pattern!r}", o.scheme, permuted) for o in self.overrides
-        ]
+        ] + candidates

@@ -31,6 +31,7 @@ from optc.export.source import CastSource, ExportSource, ModelSource, stored_dty
 from optc.model.load import local_path
 from optc.memory import trim
 from optc.progress import NullProgress, Progress
+from optc.units import parse_size
 from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.recipe import EvaluationConfig, Recipe
 from optc.run.card import write_model_card
@@ -47,6 +48,8 @@ from optc.run.streaming import (
 )
 from optc.methods.recover_training import check_recoverable, restore_base, write_adapter
 from optc.methods import METHODS, Workspace, declared_schemes, planned_schemes
+from optc.methods.base import WeightQuantConfig
+from optc.methods.budget import allocate_budget, plan_budget
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +175,14 @@ def _run_claimed(
     if output is not None and is_main_process() and not streaming:  # no hours of calibration for a checkpoint that cannot fit
         check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe.stages),
                                                            recipe.export.format))
+    dtype = stored_dtype(recipe.export.dtype, loaded.source_dtype, loaded.from_gguf, loaded.model.dtype)
+    budgets = _budget_stages(recipe)
+    if budgets and streaming:
+        raise OptcError("a budget needs the model in memory (its sensitivity pass reads every layer before the "
+                        "method runs); this run streams it: drop --streaming or the budget")
+    for i, stage in budgets.items():  # an impossible target is refused before any calibration
+        plan_budget(loaded.model, stage, get_format(recipe.export.format), torch.finfo(dtype).bits,
+                    loaded.qparams, f"stage {i} ({stage.type})")
     report = new_report(loaded.source, recipe.model_dump(mode="json"))
     report["timings"]["load"] = round(time.perf_counter() - t_start, 3)
     model = loaded.model
@@ -207,7 +218,15 @@ def _run_claimed(
                 ws.store.begin_stage(i, stage.type)
             t0 = time.perf_counter()
             log.info("stage %d: %s%s", i, stage.type, " (streaming)" if streaming else "")
+            budget = None
+            if i in budgets:
+                plan = plan_budget(ws.model, stage, get_format(recipe.export.format), torch.finfo(dtype).bits,
+                                   ws.qparams, f"stage {i} ({stage.type})")
+                stage, budget = allocate_budget(ws, stage, plan)
             stats = METHODS[stage.type].run(ws, stage)
+            if budget is not None:
+                stats["budget"] = budget
+                stats.setdefault("notes", []).append(budget.pop("note"))
             if "perplexity_before" in stats:
                 report["metrics"]["perplexity_before_recovery"] = stats.pop("perplexity_before")
             report["stages"].append(
@@ -243,7 +262,6 @@ def _run_claimed(
                 if ws.adapter is not None:
                     restore_base(ws.model, ws.adapter)  # the checkpoint holds the pre-recovery weights
                     ws.adapter.base_model = str(output)
-                dtype = stored_dtype(recipe.export.dtype, loaded.source_dtype, loaded.from_gguf, model.dtype)
                 fmt = export_checkpoint(src, recipe.export.format, tmp, recipe.export.max_shard_size, dtype,
                                         recipe.export.embedding_bits)
                 adapter_files = write_adapter(ws.adapter, tmp) if ws.adapter is not None else []
@@ -265,6 +283,11 @@ def _run_claimed(
     if ws.store is not None:
         ws.store.remove()
     return report
+
+
+def _budget_stages(recipe: Recipe) -> dict[int, WeightQuantConfig]:
+    """The quantizing stages that carry a budget, by position."""
+    return {i: s for i, s in enumerate(recipe.stages) if METHODS[s.type].kind == "quantize" and s.budget is not None}
 
 
 def _teacher(model: torch.nn.Module, path: Path | None, recover: list, report: dict,
@@ -385,19 +408,6 @@ def check_recipe_export(recipe: Recipe) -> None:
     refusal = get_format(recipe.export.format).embedding_8bit
     if recipe.export.embedding_bits == 8 and refusal is not None:
         raise OptcError(f"export format {recipe.export.format}: embedding_bits 8 is refused: {refusal}")
-
-
-def parse_size(text: str) -> int:
-    """``"2GB"`` / ``"500MB"`` / ``"1GiB"`` -> bytes."""
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
-    t = text.strip().upper()
-    for unit in sorted(units, key=len, reverse=True):
-        if t.endswith(unit):
-            try:
-                return int(float(t[: -len(unit)]) * units[unit])
-            except ValueError:
-                break
-    raise OptcError(f"cannot parse size {text!r} (e.g. 2GB, 500MB)")
 
 
 def evaluate_model(

@@ -1,0 +1,168 @@
+"""Compress to a budget: the knapsack kernel, the config, and runs on a tiny Llama."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from optc.cli.main import app
+from optc.compress.allocate import allocate, output_error
+from optc.export.load import load_checkpoint
+from optc.methods.base import Budget
+
+
+def _brute(err: torch.Tensor, size: torch.Tensor, budget: int) -> float:
+    best = float("inf")
+    for pick in itertools.product(range(err.shape[1]), repeat=err.shape[0]):
+        if sum(int(size[l, s]) for l, s in enumerate(pick)) <= budget:
+            best = min(best, sum(float(err[l, s]) for l, s in enumerate(pick)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_is_the_exact_optimum(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    L, S = 6, 3
+    size = torch.randint(1, 12, (L, S), generator=g) * 8
+    err = torch.rand(L, S, generator=g, dtype=torch.float64)
+    budget = int(size.min(dim=1).values.sum()) + int(torch.randint(0, 60, (1,), generator=g))
+    pick = allocate(err, size, budget)
+    used = int(size[torch.arange(L), pick].sum())
+    assert used <= budget
+    assert float(err[torch.arange(L), pick].sum()) == pytest.approx(_brute(err, size, budget))
+
+
+def test_disallowed_candidates_and_coarse_units_stay_under_budget() -> None:
+    g = torch.Generator().manual_seed(0)
+    L, S = 40, 4
+    # Sizes with no useful common divisor and a budget of billions of bits: the sizes are rounded
+    # up to coarser units, which may lose optimality but never exceed the budget.
+    size = torch.randint(10**7, 10**8, (L, S), generator=g) + torch.arange(S)
+    err = torch.rand(L, S, generator=g, dtype=torch.float64)
+    err[:, 0] = float("inf")  # never allowed
+    budget = int(size[:, 1:].min(dim=1).values.sum()) + 10**9
+    pick = allocate(err, size, budget)
+    assert int(size[torch.arange(L), pick].sum()) <= budget and bool((pick != 0).all())
+    with pytest.raises(ValueError, match="more than the budget"):
+        allocate(err, size, int(size.min(dim=1).values.sum()) - 1)
+
+
+def test_more_budget_never_costs_accuracy() -> None:
+    g = torch.Generator().manual_seed(3)
+    size = torch.tensor([[2, 3, 4, 8]] * 10) * 1000
+    err = torch.sort(torch.rand(10, 4, generator=g, dtype=torch.float64), dim=1, descending=True).values
+    totals = [float(err[torch.arange(10), allocate(err, size, b * 1000)].sum()) for b in range(20, 81, 5)]
+    assert totals == sorted(totals, reverse=True)
+
+
+def test_output_error_is_the_output_energy_of_the_weight_error() -> None:
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(200, 16, generator=g, dtype=torch.float64)
+    dW = torch.randn(5, 16, generator=g, dtype=torch.float64)
+    gamma = torch.rand(5, generator=g, dtype=torch.float64)
+    H = X.T @ X
+    assert output_error(dW, H) == pytest.approx(float(((X @ dW.T) ** 2).sum()))
+    assert output_error(dW, H, gamma) == pytest.approx(float((((X @ dW.T) ** 2) * gamma).sum()))
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({}, "exactly one of bits_per_weight and size"),
+    ({"bits_per_weight": 3, "size": "1MB"}, "exactly one of bits_per_weight and size"),
+    ({"bits_per_weight": 1.5}, "outside what the candidates reach"),
+    ({"bits_per_weight": 17}, "outside what the candidates reach"),
+    ({"bits_per_weight": 3, "candidates": []}, "candidates is empty"),
+    ({"bits_per_weight": 3, "candidates": [None, None]}, "repeat a scheme"),
+    ({"bits_per_weight": 3, "typo": 1}, "typo"),
+])
+def test_bad_budgets_are_refused_by_the_config(kw: dict, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Budget(**kw)
+
+
+def _recipe(tmp: Path, budget: dict, fmt: str = "compressed-tensors", **stage) -> str:
+    data = {
+        "version": 1, "name": "budget",
+        "calibration": {"dataset": "builtin", "samples": 4, "seqlen": 32},
+        "stages": [{"type": "gptq", "budget": budget, **stage}],
+        "export": {"format": fmt},
+    }
+    path = tmp / "budget.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return str(path)
+
+
+def _run(recipe: str, model: Path, out: Path, *extra: str):
+    return CliRunner().invoke(app, ["run", recipe, "--model", str(model), "--no-eval", "-q", "--output", str(out),
+                                    *extra])
+
+
+def test_bits_per_weight_budget_end_to_end(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """The achieved average is at or under the target, and exactly what the checkpoint stores;
+    every Linear is written on the scheme the allocation gave it; an override stays."""
+    recipe = _recipe(tmp_path, {"bits_per_weight": 4.5},
+                     overrides=[{"pattern": "down_proj", "scheme": {"bits": 8, "group_size": 64}}])
+    out = tmp_path / "out"
+    result = _run(recipe, tiny_checkpoint, out)
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    stage = report["stages"][0]
+    budget = stage["stats"]["budget"]
+    assert budget["bits_per_weight"] <= 4.5
+    assert report["metrics"]["size"]["linear_bits_per_weight"] == pytest.approx(budget["bits_per_weight"], abs=1e-4)
+    modules = stage["stats"]["modules"]
+    assert all(m["scheme"] == "int8-sym-g64" for n, m in modules.items() if "down_proj" in n)
+    assert sum(budget["schemes"].values()) == sum("down_proj" not in n for n in modules)
+    assert "budget: " in stage["summary"]
+    # optc's reader of the written checkpoint (down_proj's 160 columns store group 64 as groups of 32)
+    read = load_checkpoint(str(out)).qparams
+    assert {n: read[n].scheme.bits for n in modules} == {n: int(m["scheme"][3]) for n, m in modules.items()}
+
+
+def test_size_budget_and_cli_flag(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    args = ["quantize", "--recipe", "w4a16-gptq", "--model", str(tiny_checkpoint), "--samples", "4", "--seqlen", "32",
+            "--no-eval", "-q", "--output", str(out), "--target-size", "12.2MiB"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    budget = report["stages"][0]["stats"]["budget"]
+    assert budget["bytes"] <= 12.2 * 2**20 and budget["target_bytes"] == int(12.2 * 2**20)
+    assert report["metrics"]["size"]["weight_bytes"] == pytest.approx(budget["bytes"], rel=1e-4)
+
+
+@pytest.mark.parametrize("budget, extra, message", [
+    ({"size": "1KB"}, {}, "below the cheapest candidates"),
+    ({"bits_per_weight": 15.9, "candidates": [{"bits": 2, "group_size": 64}, None]}, {"_fmt": "compressed-tensors"},
+     None),
+    ({"bits_per_weight": 3}, {"_fmt": "gptq"}, "one scheme per checkpoint"),
+    ({"bits_per_weight": 3}, {"_fmt": "gguf-q4_0"}, "Q4_0 blocks hold"),
+    ({"bits_per_weight": 3}, {"overrides": [{"pattern": ".*", "scheme": {"bits": 4}}]}, "nothing to choose"),
+])
+def test_bad_budgets_are_refused_before_calibration(tiny_checkpoint: Path, tmp_path: Path, monkeypatch,
+                                                    budget: dict, extra: dict, message: str | None) -> None:
+    import optc.methods.budget as budget_module
+
+    def no_calibration(*a, **k):
+        raise AssertionError("calibrated before refusing")
+
+    monkeypatch.setattr(budget_module, "candidate_errors", no_calibration)
+    fmt = extra.pop("_fmt", "compressed-tensors")
+    result = _run(_recipe(tmp_path, budget, fmt, **extra), tiny_checkpoint, tmp_path / "out")
+    if message is None:  # feasible: it gets as far as the sensitivity pass
+        assert "calibrated before refusing" in repr(result.exception)
+        return
+    assert result.exit_code != 0
+    assert message in result.output, result.output
+    assert len(result.output.strip().splitlines()) <= 3
+
+
+def test_budget_refuses_streaming(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    result = _run(_recipe(tmp_path, {"bits_per_weight": 3.25}), tiny_checkpoint, tmp_path / "out", "--streaming")
+    assert result.exit_code != 0 and "budget needs the model in memory" in result.output, result.output
