@@ -166,3 +166,39 @@ def test_bad_budgets_are_refused_before_calibration(tiny_checkpoint: Path, tmp_p
 def test_budget_refuses_streaming(tiny_checkpoint: Path, tmp_path: Path) -> None:
     result = _run(_recipe(tmp_path, {"bits_per_weight": 3.25}), tiny_checkpoint, tmp_path / "out", "--streaming")
     assert result.exit_code != 0 and "budget needs the model in memory" in result.output, result.output
+
+
+def test_output_fisher_is_the_mean_squared_output_gradient() -> None:
+    from optc.calibrate.fisher import output_fisher
+    from optc.testing import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (3, 12), generator=torch.Generator().manual_seed(0))
+    name = "model.layers.1.mlp.down_proj"
+    module = model.get_submodule(name)
+    got = output_fisher(model, ids, {name: module}, batch_size=2)[name]
+    kept = []
+
+    def keep(_m, _i, out) -> None:
+        out.retain_grad()
+        kept.append(out)
+
+    handle = module.register_forward_hook(keep)
+    want = torch.zeros_like(got)
+    for row in ids:
+        kept.clear()
+        model.zero_grad()
+        loss = model(input_ids=row[None], labels=row[None]).loss * (row.numel() - 1)
+        loss.backward()
+        want += kept[0].grad.reshape(-1, got.numel()).double().pow(2).sum(dim=0)
+    handle.remove()
+    torch.testing.assert_close(got, want / ids.numel(), rtol=1e-4, atol=1e-12)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_fisher_sensitivity_runs(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = _run(_recipe(tmp_path, {"bits_per_weight": 4.5, "sensitivity": "fisher"}), tiny_checkpoint, out)
+    assert result.exit_code == 0, (result.output, result.exception)
+    budget = json.loads((out / "report.json").read_text())["stages"][0]["stats"]["budget"]
+    assert budget["bits_per_weight"] <= 4.5

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optc.calibrate.fisher import output_fisher
 from optc.calibrate.hessian import HessianAccumulator
 from optc.calibrate.sequential import LayerStep, run_sequential
 from optc.compress.allocate import allocate, output_error
@@ -150,11 +151,16 @@ def candidate_errors(ws: Workspace, cfg: WeightQuantConfig, free: list[str]) -> 
                 # float32: the error only ranks candidates, and float64 products cost several times more.
                 H = hessians.setdefault(id(accs[name]), accs[name].H.float())
                 w = weight_2d(step.linears[name]).detach().float()
-                errors[name] = [0.0 if c is None else output_error(fake_quantize(w, choose_qparams(w, c)) - w, H)
+                gamma = gammas.get(name)
+                errors[name] = [0.0 if c is None else output_error(fake_quantize(w, choose_qparams(w, c)) - w, H, gamma)
                                 for c in candidates]
         return {}
 
     ids = ws.calibration_ids()[: cfg.budget.samples]
+    gammas: dict[str, torch.Tensor] = {}
+    if cfg.budget.sensitivity == "fisher":
+        linears = select_linears(ws.model, cfg.targets, cfg.ignore)
+        gammas = output_fisher(ws.model, ids, {n: linears[n] for n in free}, device=ws.device)
     # The weights stay as they are, so each layer's inputs are the float model's (propagate=False:
     # one forward per layer); no store: nothing of this pass is a finished layer.
     run_sequential(ws.model, ids, solve, targets=cfg.targets, ignore=cfg.ignore,
