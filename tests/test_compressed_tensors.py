@@ -150,6 +150,9 @@ CASES = {
     "llama-int8-sym-channel": ("llama", lambda n: QuantScheme(bits=8, group_size=None), "per_layer", False),
     "llama-mixed": ("llama", lambda n: G32 if "self_attn" in n else QuantScheme(bits=8, group_size=None),
                     "per_layer", False),
+    # What a budget writes: 2, 3, 4 and 8 bits side by side, one config group each.
+    "llama-budget-mix": ("llama", lambda n: QuantScheme(bits=(2, 3, 4, 8)[sum(map(ord, n)) % 4], group_size=32),
+                         "per_layer", False),
 }
 
 
