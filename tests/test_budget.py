@@ -202,3 +202,25 @@ def test_fisher_sensitivity_runs(tiny_checkpoint: Path, tmp_path: Path) -> None:
     assert result.exit_code == 0, (result.output, result.exception)
     budget = json.loads((out / "report.json").read_text())["stages"][0]["stats"]["budget"]
     assert budget["bits_per_weight"] <= 4.5
+
+
+def test_sweep_writes_the_trade_off(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    args = ["sweep", "w4a16-rtn", "--model", str(tiny_checkpoint), "--samples", "4", "--seqlen", "32",
+            "--windows", "1", "--target-bpw", "4.5", "--uniform", "4", "-o", str(out), "-q"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    points = json.loads((out / "sweep.json").read_text())
+    assert [p["label"] for p in points] == ["budget-4.5", "uniform-int4"]
+    assert points[0]["bits_per_weight"] <= 4.5 < points[1]["bits_per_weight"]
+    report = (out / "report.md").read_text()
+    assert "| budget-4.5 | budget |" in report and "```text" in report
+    assert (out / "uniform-int4" / "model.safetensors").is_file()
+
+
+def test_pareto_front() -> None:
+    from optc.run.sweep import pareto
+
+    pts = [{"bytes": 1, "perplexity": 30}, {"bytes": 2, "perplexity": 20}, {"bytes": 3, "perplexity": 25},
+           {"bytes": 2, "perplexity": 20.5}]
+    assert pareto(pts) == [True, True, False, False]

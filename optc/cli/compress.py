@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
@@ -239,3 +240,43 @@ def _parse_structured(text: str) -> dict[str, float]:
     if not parts:
         raise OptcError("--structured needs heads=F, kv_heads=F and/or mlp=F (e.g. heads=0.25,mlp=0.3)")
     return parts
+
+
+@app.command()
+@handle_errors
+def sweep(
+    recipe: Annotated[str, typer.Argument(help="Built-in recipe name or YAML path (its first quantize stage is swept).", autocompletion=complete_recipe)],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Directory for one checkpoint per point, report.md and sweep.json.")],
+    target_bpw: Annotated[Optional[list[float]], typer.Option("--target-bpw", help="A budget to run at, in bits per decoder-Linear weight (repeatable).")] = None,
+    uniform: Annotated[Optional[list[int]], typer.Option("--uniform", help="A uniform bit width to run as a reference point (repeatable).")] = None,
+    model: ModelOpt = None, overwrite: OverwriteOpt = False,
+    dataset: DatasetOpt = None, samples: SamplesOpt = None, seqlen: SeqlenOpt = None, seed: SeedOpt = None,
+    eval_dataset: EvalDatasetOpt = None, windows: WindowsOpt = None,
+    fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
+    device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, quiet: QuietOpt = False,
+) -> None:
+    """Run a recipe at several budgets and uniform bit widths; report.md holds the size-versus-
+    perplexity table, its Pareto front and a chart."""
+    from rich.table import Table
+
+    from optc.cli.app import console, pick_device, progress_bars
+    from optc.recipe import apply_overrides, parse_recipe, read_recipe_data, resolve_recipe
+    from optc.run.sweep import pareto, run_sweep
+
+    path = resolve_recipe(recipe)
+    data = read_recipe_data(path)
+    overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, text_column=text_column, split=split, dtype=dtype)
+    parsed = parse_recipe(apply_overrides(data, overrides) if isinstance(data, dict) else data, str(path))
+    result = run_sweep(parsed, output, list(target_bpw or []), list(uniform or []), device=pick_device(device),
+                       overwrite=overwrite, trust_remote_code=trust_remote_code, progress=progress_bars(quiet))
+    if quiet:
+        return
+    table = Table(title=f"optc sweep: {parsed.name}")
+    for col in ("point", "bits / Linear weight", "weights (MiB)", "perplexity", "Pareto"):
+        table.add_column(col, justify="left" if col == "point" else "right")
+    points = result["points"]
+    for p, on in sorted(zip(points, pareto(points)), key=lambda t: t[0]["bytes"]):
+        table.add_row(p["label"], f"{p['bits_per_weight']:.4f}", f"{p['bytes'] / 2**20:.2f}", f"{p['perplexity']:.3f}",
+                      "yes" if on else "")
+    console.print(table)
+    console.print(f"wrote {result['report']}")
