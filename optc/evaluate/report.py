@@ -16,6 +16,7 @@ import json
 import logging
 import math
 import platform
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, Any
@@ -388,6 +389,27 @@ def summary_lines(report: dict) -> list[str]:
     return out
 
 
+def _budget_table(stage: dict) -> list[str]:
+    """A budget stage's chosen schemes: a row per decoder layer, a column per Linear of the layer."""
+    stats = stage.get("stats") or {}
+    if "budget" not in stats or not stats.get("modules"):
+        return []
+    layers: dict[str, dict[str, str]] = {}
+    columns: list[str] = []
+    for name, m in stats["modules"].items():
+        match = re.match(r"(.*?\.\d+)\.(.+)$", name)
+        layer, linear = match.groups() if match else ("", name)
+        layers.setdefault(layer, {})[linear] = m.get("scheme", "")
+        if linear not in columns:
+            columns.append(linear)
+    short = [c.rsplit(".", 1)[-1] for c in columns]
+    lines = [f"Schemes chosen by the budget ({stage['type']}):", "",
+             "| layer | " + " | ".join(short) + " |", "|---" * (len(columns) + 1) + "|"]
+    for layer, row in layers.items():
+        lines.append(f"| {layer.rsplit('.', 1)[-1]} | " + " | ".join(row.get(c, "float") for c in columns) + " |")
+    return lines + [""]
+
+
 def _calibration_table(stage: dict) -> list[str]:
     """Per-Linear activation calibration of a W8A8 stage: which layers lose most."""
     rows = {n: m for n, m in stage.get("stats", {}).get("modules", {}).items() if "input_sqnr_db" in m}
@@ -438,6 +460,7 @@ def render_markdown(report: dict) -> str:
         lines.append("")
         for st in report["stages"]:
             lines += _calibration_table(st)
+            lines += _budget_table(st)
     if report.get("timings"):
         lines += ["Timings: " + ", ".join(f"{k} {v:.1f} s" for k, v in report["timings"].items()), ""]
     for chart in report.get("charts", []):
