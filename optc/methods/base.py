@@ -76,9 +76,10 @@ class Budget(BaseModel):
         None, description="size of the checkpoint's weight files, e.g. 80MiB or 2GB (tokenizer and card not counted)")
     candidates: list[QuantScheme | None] = Field(
         default_factory=_default_candidates, description="schemes a Linear may get (null: left in float)")
-    sensitivity: Literal["output", "fisher"] = Field(
-        "output", description="a candidate's estimated loss: its Linear's output error tr(dW H dW^T) (output), or that "
-        "error weighted per output channel by the loss's squared gradient there (fisher: one backward pass per sample)")
+    sensitivity: Literal["fisher", "output"] = Field(
+        "fisher", description="a candidate's estimated loss: its Linear's output error tr(dW H dW^T) weighted per output "
+        "channel by the loss's mean squared gradient there (fisher: one backward pass per sample), or unweighted "
+        "(output: cheaper, but later layers' larger activations make their errors look larger than they cost)")
     samples: int = Field(
         16, gt=0, description="calibration sequences of the sensitivity pass (the first ones of the stage's)")
 
