@@ -81,7 +81,7 @@ class Budget(BaseModel):
         "channel by the loss's mean squared gradient there (fisher: one backward pass per sample), or unweighted "
         "(output: cheaper, but later layers' larger activations make their errors look larger than they cost)")
     samples: int = Field(
-        16, gt=0, description="calibration sequences of the sensitivity pass (the first ones of the stage's)")
+        8, gt=0, description="calibration sequences of the sensitivity pass (the first ones of the stage's)")
 
     @field_validator("size")
     @classmethod
