@@ -377,7 +377,7 @@ def solve_input_quant(scheme: ActivationScheme, stats: ActivationStats | None) -
     if stats is None:
         raise ValueError("static activation scales need calibration statistics")
     t = threshold_for(scheme.observer, stats, bits=scheme.bits, percentile=scheme.percentile)
-    return InputQuant(scheme, scale_from_threshold(t, scheme.bits))
+    return InputQuant(scheme, scale_from_threshold(t, scheme.bits, scheme.type == "float"))
 
 
 def observer_ranges(stats: ActivationStats, scheme: ActivationScheme) -> dict[str, float]:
@@ -412,7 +412,7 @@ def calibration_summary(
         "output_sqnr_db": _json_db(sqnr_db(x @ w.T, x_hat @ w_hat.T)),
     }
     if iq.scale is not None:
-        t = float(iq.scale) * half_range(iq.scheme.bits)
+        t = float(iq.scale) * half_range(iq.scheme.bits, iq.scheme.type == "float")
         out.update(
             threshold=round(t, 6),
             clip_ratio=round(t / absmax, 6) if absmax > 0 else 1.0,

@@ -1,12 +1,12 @@
 """Int8 activation fake-quantization of Linear inputs, as a W8A8 runtime computes it.
 
 A quantized Linear's input ``x`` becomes ``clamp(round(x / s), -2^(b-1), 2^(b-1) - 1) * s``
-before the matmul, so evaluating the model in optc measures what vLLM's int8 GEMM (or
+(FP8: ``round_e4m3(x / s) * s``, E4M3 saturating at 448) before the matmul, so evaluating the model in optc measures what vLLM's int8 GEMM (or
 compressed-tensors' own forward) computes:
 
 - **static per-tensor**: one calibrated ``s`` per Linear input (``input_scale`` on disk);
 - **dynamic per-tensor** / **per-token**: ``s`` computed from the tensor, or from each token's
-  row, at run time (``s = max|x| / ((2^b - 1) / 2)``), nothing stored.
+  row, at run time (``s = max|x| / ((2^b - 1) / 2)``, FP8 ``max|x| / 448``), nothing stored.
 
 The grid is compressed-tensors' symmetric one (``amax`` maps to ``(2^b - 1) / 2``), so a
 checkpoint reloaded by transformers + compressed-tensors computes the same logits.
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from optc.compress.fpquant import E4M3_MAX, round_e4m3
 from optc.compress.schemes import ActivationScheme  # noqa: F401 - defined torch-free, re-exported
 
 _HOOK_ATTR = "_optc_input_quant"
@@ -39,36 +40,42 @@ class InputQuant:
             raise ValueError("static activation quantization needs a scale; dynamic takes none")
 
 
-def half_range(bits: int) -> float:
-    return (2**bits - 1) / 2
+def half_range(bits: int, float_grid: bool = False) -> float:
+    """The value ``max|x|`` maps to: ``(2^b - 1) / 2`` on the int grid, 448 for FP8 E4M3."""
+    return E4M3_MAX if float_grid else (2**bits - 1) / 2
 
 
-def scale_from_threshold(threshold: float, bits: int = 8) -> torch.Tensor:
+def scale_from_threshold(threshold: float, bits: int = 8, float_grid: bool = False) -> torch.Tensor:
     """Static per-tensor ``input_scale`` [1] for a clipping threshold (0 guarded like
     compressed-tensors, which replaces a zero scale by the dtype's eps)."""
-    s = threshold / half_range(bits)
+    s = threshold / half_range(bits, float_grid)
     return torch.tensor([s if s > 0 else torch.finfo(torch.float32).eps], dtype=torch.float32)
 
 
-def dynamic_scale(x: torch.Tensor, strategy: str, bits: int = 8) -> torch.Tensor:
+def dynamic_scale(x: torch.Tensor, strategy: str, bits: int = 8, float_grid: bool = False) -> torch.Tensor:
     """Run-time scale of ``x`` ([..., K]): one per row (``token``) or one overall (``tensor``)."""
     a = x.detach().abs()
     amax = a.amax(dim=-1, keepdim=True) if strategy == "token" else a.amax().reshape(1)
-    s = amax.float() / half_range(bits)
+    s = amax.float() / half_range(bits, float_grid)
     return torch.where(s > 0, s, torch.full_like(s, torch.finfo(torch.float32).eps))
 
 
-def fake_quantize_activation(x: torch.Tensor, scale: torch.Tensor, bits: int = 8) -> torch.Tensor:
-    """``clamp(round(x / s)) * s`` on the signed ``bits`` grid, in ``x``'s dtype."""
-    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+def fake_quantize_activation(
+    x: torch.Tensor, scale: torch.Tensor, bits: int = 8, float_grid: bool = False
+) -> torch.Tensor:
+    """``clamp(round(x / s)) * s`` on the signed ``bits`` grid (or E4M3's), in ``x``'s dtype."""
     s = scale.to(x.device, torch.float32)
+    if float_grid:
+        return (round_e4m3(x.float() / s) * s).to(x.dtype)
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     return (torch.round(x.float() / s).clamp_(qmin, qmax) * s).to(x.dtype)
 
 
 def quantize_input(x: torch.Tensor, iq: InputQuant) -> torch.Tensor:
     """Fake-quantize a Linear input as ``iq`` prescribes."""
-    scale = iq.scale if iq.scale is not None else dynamic_scale(x, iq.scheme.strategy, iq.scheme.bits)
-    return fake_quantize_activation(x, scale, iq.scheme.bits)
+    fp = iq.scheme.type == "float"
+    scale = iq.scale if iq.scale is not None else dynamic_scale(x, iq.scheme.strategy, iq.scheme.bits, fp)
+    return fake_quantize_activation(x, scale, iq.scheme.bits, fp)
 
 
 def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:

@@ -23,6 +23,7 @@ from optc.compress.quant import (
     default_g_idx,
     quantize,
     quantize_column,
+    round_scales,
 )
 from optc.errors import OptcError
 
@@ -314,6 +315,9 @@ def refit_scales(
         s64 = scales.double()
         return torch.einsum("ng,ngh,nh->n", s64, A64, s64) - 2 * (s64 * v64).sum(dim=1)
 
+    # A float grid's scales are stored as E4M3 or powers of two: the refit is rounded to them
+    # before it is compared, so a row keeps whichever stored scales err less.
+    s = torch.where(s > 0, round_scales(s.abs(), p.scheme), s)
     valid = torch.isfinite(s).all(dim=1) & (s > 0).all(dim=1)
     s = torch.where(valid[:, None], s, old)
     better = row_error(s) < row_error(old)

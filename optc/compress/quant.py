@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from optc.compress import fpquant
 from optc.compress.schemes import QuantScheme  # noqa: F401 - defined torch-free, re-exported
 
 
@@ -66,6 +67,8 @@ def params_from_range(
     lo: torch.Tensor, hi: torch.Tensor, scheme: QuantScheme
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale and signed zero point for a [lo, hi] range containing 0."""
+    if scheme.type == "float":
+        return _float_params(torch.maximum(-lo, hi), scheme)
     if scheme.symmetric:
         amax = torch.maximum(-lo, hi)
         # amax maps to (2^b - 1) / 2, the same grid as GPTQ's sym mode and compressed-tensors.
@@ -78,6 +81,35 @@ def params_from_range(
         zero = (scheme.qmin - torch.round(lo / scale)).clamp(scheme.qmin, scheme.qmax)
         zero = zero.to(torch.int32)
     return scale, zero
+
+
+def _float_params(amax: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales mapping each ``amax`` onto the float grid's largest value, rounded as the format
+    stores them; zero points are 0."""
+    if scheme.scale_format == "e8m0":
+        scale = fpquant.mx_scale(amax)
+    else:
+        scale = amax / scheme.qmax
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        if scheme.scale_format == "e4m3":
+            scale = fpquant.round_scale_e4m3(scale)
+    return scale, torch.zeros_like(scale, dtype=torch.int32)
+
+
+def round_scales(scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Free positive scales (e.g. refitted ones) rounded to the format the scheme stores them in."""
+    if scheme.scale_format == "e8m0":
+        return fpquant.round_scale_e8m0(scale)
+    if scheme.scale_format == "e4m3":
+        return fpquant.round_scale_e4m3(scale)
+    return scale
+
+
+def round_codes_(t: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """``t`` (already divided by the scale, zero point added) rounded in place onto the grid."""
+    if scheme.type == "float":
+        return fpquant.round_float_(t, scheme.bits)
+    return t.round_().clamp_(scheme.qmin, scheme.qmax)
 
 
 def compute_qparams(
@@ -110,8 +142,11 @@ def _grouped_view(
 
 
 def quantize(w: torch.Tensor, p: QuantParams) -> torch.Tensor:
-    """Integer codes (int8, signed domain) of ``w`` on the grid ``p``."""
+    """Integer codes (int8, signed domain) of ``w`` on the grid ``p``; a float grid's values
+    (float32) for a float scheme."""
     wv, s, z = _grouped_view(w.float(), p)
+    if p.scheme.type == "float":
+        return round_codes_(torch.div(wv, s), p.scheme).view(w.shape)
     q = torch.div(wv, s).round_().add_(z).clamp_(p.scheme.qmin, p.scheme.qmax)
     return q.to(torch.int8).view(w.shape)
 
@@ -139,9 +174,10 @@ def quantize_column(
     nothing); ``out`` receives the result, so GPTQ's column sweep allocates nothing per column.
     The steps run in place on one buffer.
     """
-    q = torch.div(w, scale, out=out).round_()
+    q = torch.div(w, scale, out=out)
     if zero is None:
-        return q.clamp_(scheme.qmin, scheme.qmax).mul_(scale)
+        return round_codes_(q, scheme).mul_(scale)
+    q.round_()
     return q.add_(zero).clamp_(scheme.qmin, scheme.qmax).sub_(zero).mul_(scale)
 
 

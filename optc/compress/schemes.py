@@ -22,15 +22,30 @@ OBSERVERS: tuple[str, ...] = ("minmax", "moving_minmax", "percentile", "mse", "k
 MAX_GROUP_SIZE = 65536
 
 
+# The floating-point element grids by bits: FP8 E4M3 (OCP FP8, ``float8_e4m3fn``: no infinities,
+# largest finite 448) and FP4 E2M1 (OCP MX v1.0 Sec. 5.3.3: 0, 0.5, 1, 1.5, 2, 3, 4, 6).
+FLOAT_MAX = {8: 448.0, 4: 6.0}
+ScaleFormat = Literal["float", "e4m3", "e8m0"]
+# The 4-bit float grids compressed-tensors stores, by their scale format: NVFP4 (an FP8 E4M3
+# scale per 16 values under one FP32 scale per tensor) and MXFP4 (OCP MX: an E8M0 power-of-two
+# scale per 32 values).
+FP4_GROUPS = {"e4m3": 16, "e8m0": 32}
+
+
 class QuantScheme(BaseModel):
     """What grid a weight is quantized onto. Used directly as a recipe field."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bits: int = Field(4, description="bits per weight, 2..8")
+    bits: int = Field(4, description="bits per weight, 2..8 (type float: 8 = FP8 E4M3, 4 = FP4 E2M1)")
     symmetric: bool = True
     group_size: int | None = Field(
         64, description="input columns per scale; null means one scale per output channel"
+    )
+    type: Literal["int", "float"] = Field("int", description="integer grid, or a floating-point element grid")
+    scale_format: ScaleFormat | None = Field(
+        None, description="how each scale is stored: float, e4m3 (NVFP4) or e8m0 (MXFP4); "
+                          "default float, and for 4-bit floats the one its group size implies"
     )
 
     @field_validator("bits")
@@ -50,19 +65,48 @@ class QuantScheme(BaseModel):
                              f"channel), got {v}")
         return None if v == -1 else v
 
-    @property
-    def qmin(self) -> int:
-        return -(2 ** (self.bits - 1))
+    @model_validator(mode="after")
+    def _float_grid(self) -> QuantScheme:
+        if self.type == "int":
+            if self.scale_format not in (None, "float"):
+                raise ValueError(f"scale_format {self.scale_format} is for 4-bit float grids (NVFP4, MXFP4), "
+                                 "not integer ones")
+            return self
+        if self.bits not in FLOAT_MAX:
+            raise ValueError(f"float grids are FP8 E4M3 (bits 8) or FP4 E2M1 (bits 4), got bits {self.bits}")
+        if not self.symmetric:
+            raise ValueError("float grids are symmetric (no zero point): set symmetric: true")
+        if self.bits == 8:
+            if self.scale_format not in (None, "float"):
+                raise ValueError(f"FP8 weights take float scales, not scale_format {self.scale_format}")
+            return self
+        fmt = self.scale_format or {g: f for f, g in FP4_GROUPS.items()}.get(self.group_size)
+        if fmt is None or fmt == "float":
+            raise ValueError("FP4 weights are NVFP4 (group_size 16, e4m3 scales) or MXFP4 (group_size 32, "
+                             f"e8m0 scales); got group_size {self.group_size}"
+                             + (f" with scale_format {self.scale_format}" if self.scale_format else ""))
+        if self.group_size != FP4_GROUPS[fmt]:
+            name = "NVFP4" if fmt == "e4m3" else "MXFP4"
+            raise ValueError(f"{name} ({fmt} scales) takes group_size {FP4_GROUPS[fmt]}, got {self.group_size}")
+        object.__setattr__(self, "scale_format", fmt)
+        return self
 
     @property
-    def qmax(self) -> int:
-        return 2 ** (self.bits - 1) - 1
+    def qmin(self) -> float:
+        return -FLOAT_MAX[self.bits] if self.type == "float" else -(2 ** (self.bits - 1))
+
+    @property
+    def qmax(self) -> float:
+        return FLOAT_MAX[self.bits] if self.type == "float" else 2 ** (self.bits - 1) - 1
 
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else math.ceil(in_features / self.group_size)
 
     def label(self) -> str:
         g = "channel" if self.group_size is None else f"g{self.group_size}"
+        if self.type == "float":
+            name = {"e4m3": "nvfp4", "e8m0": "mxfp4"}.get(self.scale_format or "", "fp8-e4m3")
+            return f"{name}-{g}"
         return f"int{self.bits}-{'sym' if self.symmetric else 'asym'}-{g}"
 
 
@@ -72,6 +116,7 @@ class ActivationScheme(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     bits: Literal[8] = 8
+    type: Literal["int", "float"] = Field("int", description="int8, or FP8 E4M3 (float)")
     strategy: Literal["tensor", "token"] = Field(
         "tensor", description="one scale per tensor, or one per token (row)"
     )
@@ -93,13 +138,17 @@ class ActivationScheme(BaseModel):
     def _consistent(self) -> ActivationScheme:
         if self.strategy == "token" and not self.dynamic:
             raise ValueError("per-token activation scales exist only at run time: set dynamic: true")
+        if self.type == "float" and not self.dynamic and self.observer in ("mse", "kl"):
+            raise ValueError(f"the {self.observer} observer searches an int8 grid; static FP8 input scales "
+                             "take minmax, moving_minmax or percentile")
         return self
 
     def label(self) -> str:
+        grid = f"int{self.bits}" if self.type == "int" else "fp8-e4m3"
         if self.dynamic:
-            return f"int{self.bits} dynamic per-{self.strategy}"
+            return f"{grid} dynamic per-{self.strategy}"
         detail = f"{self.observer} {self.percentile:g}" if self.observer == "percentile" else self.observer
-        return f"int{self.bits} static per-{self.strategy} ({detail})"
+        return f"{grid} static per-{self.strategy} ({detail})"
 
 
 def parse_pattern(pattern: str) -> tuple[int, int]:

@@ -35,7 +35,7 @@ from optc.export.files import (
     write_config,
 )
 from optc.export.registry import Format
-from optc.export.source import ExportSource, ModelSource, check_linear, refuse_activations, save_tokenizer, uniform_scheme
+from optc.export.source import ExportSource, ModelSource, check_linear, integer_grid, refuse_activations, save_tokenizer, uniform_scheme
 
 if TYPE_CHECKING:
     import torch
@@ -191,8 +191,8 @@ def read_awq(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantP
 
 
 def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
-    if scheme is None:
-        return None
+    if scheme is None or integer_grid(scheme, "AWQ"):
+        return integer_grid(scheme, "AWQ")
     if scheme.bits != BITS:
         return f"AWQ GEMM holds 4-bit weights only, not {scheme.bits}-bit"
     if permuted:

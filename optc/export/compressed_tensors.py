@@ -1,9 +1,11 @@
 """The ``compressed-tensors`` format (llm-compressor's; transformers and vLLM load it): its
 registry entry, pruning metadata (``sparsity_config``), and reading it back.
 
-The sub-format follows from what the model holds: ``pack-quantized`` for weight-only grids
-(:mod:`optc.export.ct_pack`), ``int-quantized`` (or ``mixed-precision``) when Linears also
-quantize their inputs (W8A8, :mod:`optc.export.ct_int`). Importing this module imports neither
+The sub-format follows from what the model holds: ``pack-quantized`` for weight-only integer
+grids (:mod:`optc.export.ct_pack`), ``int-quantized`` when Linears also quantize their inputs
+(W8A8, :mod:`optc.export.ct_int`), ``float-quantized`` / ``nvfp4-pack-quantized`` /
+``mxfp4-pack-quantized`` for FP8, NVFP4 and MXFP4 (:mod:`optc.export.ct_float`), and
+``mixed-precision`` when Linears differ. Importing this module imports neither
 torch nor transformers.
 """
 
@@ -27,11 +29,22 @@ if TYPE_CHECKING:
 
 NAME = "compressed-tensors"
 _AUX_SUFFIXES = (".weight_scale", ".weight_zero_point", ".weight_g_idx", ".weight_shape",
-                 ".input_scale", ".input_zero_point")
+                 ".input_scale", ".input_zero_point", ".weight_global_scale")
+# Stored bits of one float-grid scale: FP8's float32 ones, NVFP4's E4M3, MXFP4's E8M0 bytes.
+_FLOAT_SCALE_BITS = {"float": 32, "e4m3": 8, "e8m0": 8}
 
 
 def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
-    return None  # 1..8-bit integer grids of any group size (act-order: checked when written)
+    if scheme is not None and scheme.type == "float" and permuted:
+        return f"{scheme.label()} has no g_idx for act-order (permuted) groups"
+    return None  # 1..8-bit integer grids of any group size, FP8, NVFP4, MXFP4
+
+
+def _float_stored_bits(scheme: QuantScheme, out_features: int, in_features: int) -> int:
+    """ct_float's tensors: 8- or 4-bit codes, a scale per group, NVFP4's float32 tensor scale."""
+    groups = scheme.num_groups(in_features)
+    bits = out_features * (in_features * scheme.bits + groups * _FLOAT_SCALE_BITS[scheme.scale_format or "float"])
+    return bits + (32 if scheme.scale_format == "e4m3" else 0)
 
 
 def _stored_groups(scheme: QuantScheme, in_features: int) -> int:
@@ -46,6 +59,8 @@ def _stored_groups(scheme: QuantScheme, in_features: int) -> int:
 def _bits_per_weight(scheme: QuantScheme | None, in_features: int) -> float | None:
     if scheme is None:
         return None
+    if scheme.type == "float":
+        return _float_stored_bits(scheme, 1, in_features) / in_features
     return scheme.bits + 64 * _stored_groups(scheme, in_features) / in_features  # 8-byte scale + zero per group
 
 
@@ -56,6 +71,8 @@ def _stored_bits(scheme: QuantScheme | None, out_features: int, in_features: int
     indices when permuted, the int64 shape pair."""
     if scheme is None:
         return out_features * in_features * float_bits
+    if scheme.type == "float":
+        return _float_stored_bits(scheme, out_features, in_features)
     groups = _stored_groups(scheme, in_features)
     bits = out_features * 32 * math.ceil(in_features * scheme.bits / 32) + out_features * groups * float_bits + 128
     if not scheme.symmetric:
@@ -70,7 +87,8 @@ def _write(src: ExportSource, directory: Path, *, max_shard_bytes: int | None = 
     from optc.export.ct_pack import DEFAULT_SHARD_BYTES
 
     shard = DEFAULT_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
-    if src.input_quant:  # W8A8: the sub-format follows from what was quantized
+    # The sub-format follows from what was quantized: W8A8 and float grids have their own.
+    if src.input_quant or any(p.scheme.type == "float" for p in src.qparams.values()):
         from optc.export.ct_int import write_int
 
         summary = write_int(src, directory, max_shard_bytes=shard)
@@ -126,7 +144,9 @@ def _summary(qc: dict) -> dict:
         "group_size": sorted({w.get("group_size") for w in weights}, key=str),
         "symmetric": sorted({w.get("symmetric") for w in weights}),
         "act_order": sorted({str(w.get("actorder")) for w in weights}),
-        "activations": "static/dynamic int8" if acts else "float",
+        "activations": sorted({f"{'dynamic' if a.get('dynamic') else 'static'} {a.get('type', 'int')}"
+                               f"{a.get('num_bits')}" for a in acts}) if acts else "float",
+        "weight_types": sorted({w.get("type", "int") for w in weights}),
         "ignore": qc.get("ignore", []),
         **({"sparsity_structure": sparse} if sparse else {}),
     }
@@ -134,9 +154,12 @@ def _summary(qc: dict) -> dict:
 
 def _packed_weights(fh: Any, key: str) -> int | None:
     shape_key = f"{key.removesuffix('.weight_packed')}.weight_shape"
-    if shape_key not in fh.keys():
-        return None
-    return int(math.prod(fh.get_tensor(shape_key).tolist()))
+    if shape_key in fh.keys():
+        return int(math.prod(fh.get_tensor(shape_key).tolist()))
+    packed = fh.get_slice(key)
+    if packed.get_dtype() == "U8":  # NVFP4 / MXFP4: two E2M1 codes a byte, no shape tensor
+        return 2 * int(math.prod(packed.get_shape()))
+    return None
 
 
 def _describe(path: Path) -> dict:
@@ -146,8 +169,8 @@ def _describe(path: Path) -> dict:
 
 COMPRESSED_TENSORS = Format(
     name=NAME,
-    description="compressed-tensors pack-quantized, or int-quantized for W8A8 (llm-compressor's layout), "
-                "loaded by transformers and vLLM",
+    description="compressed-tensors pack-quantized, int-quantized for W8A8, float-quantized (FP8), "
+                "nvfp4/mxfp4-pack-quantized (llm-compressor's layouts), loaded by transformers and vLLM",
     fits=_fits,
     write=_write,
     read=_read,

@@ -26,6 +26,7 @@ from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequant
 from optc.errors import OptcError
 from optc.export.ct_pack import (
     DEFAULT_SHARD_BYTES,
+    _scheme_for,
     _target_group_sizes,
     checked_linear,
     compress_weight,
@@ -34,6 +35,7 @@ from optc.export.ct_pack import (
     weights_args,
     write_ct_config,
 )
+from optc.export.ct_float import FLOAT_FORMATS, compress_float, dequantize_float, float_weights_args, format_of
 from optc.export.ct_pack import FORMAT as PACK_FORMAT
 from optc.export.files import quantization_config
 from optc.export.packing import regroup, scales_in_dtype, splice, write_weights
@@ -50,7 +52,7 @@ _OBSERVERS = get_args(ActivationScheme.model_fields["observer"].annotation)
 def _input_args(scheme: ActivationScheme) -> dict:
     args = {
         "num_bits": scheme.bits,
-        "type": "int",
+        "type": scheme.type,
         "symmetric": True,
         "group_size": None,
         "strategy": scheme.strategy,
@@ -72,16 +74,36 @@ def _compress_int_module(weight: torch.Tensor, p: QuantParams, iq: InputQuant) -
     return out
 
 
+def _module_format(p: QuantParams, iq: InputQuant | None) -> str:
+    if p.scheme.type == "float":
+        return format_of(p.scheme)
+    return PACK_FORMAT if iq is None else INT_FORMAT
+
+
+def _compress_module(name: str, weight: torch.Tensor, p: QuantParams, iq: InputQuant | None) -> dict:
+    if p.scheme.type == "float":
+        out = compress_float(name, weight, p)
+    elif iq is None:
+        return compress_weight(name, weight, p)
+    else:
+        return _compress_int_module(weight, p, iq)
+    if iq is not None and iq.scale is not None:
+        out["input_scale"] = iq.scale.reshape(1).float()
+    return out
+
+
 def write_int(src: ExportSource, directory: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
-    """Write a W8A8 checkpoint: Linears in ``src.input_quant`` as ``int-quantized`` (int8 weights,
-    ``input_scale`` when static), other quantized Linears as ``pack-quantized``.
+    """Write a checkpoint whose Linears are not all integer weight-only: W8A8 Linears (in
+    ``src.input_quant``) as ``int-quantized`` (int8 weights, ``input_scale`` when static), float
+    grids as their own formats (:mod:`optc.export.ct_float`, FP8 inputs beside FP8 weights), the
+    other quantized Linears as ``pack-quantized``; ``mixed-precision`` when more than one.
 
     Every Linear with activation quantization must have quantized weights (``qparams``):
     int8 GEMMs need both operands in int8.
     """
     qparams, input_quant = src.qparams, src.input_quant
-    if not input_quant:
-        raise OptcError("no Linear has activation quantization; write pack-quantized instead")
+    if not input_quant and not any(p.scheme.type == "float" for p in qparams.values()):
+        raise OptcError("no Linear has activation quantization or a float grid; write pack-quantized instead")
     directory = Path(directory)
     stored, linears = set(src.keys()), set(src.linears())
     missing = sorted(set(input_quant) - set(qparams))
@@ -95,31 +117,28 @@ def write_int(src: ExportSource, directory: Path, *, max_shard_bytes: int = DEFA
         checked_linear(src, name, stored, linears, "compressed-tensors")
         if p.actorder:
             raise OptcError(f"{name} uses act-order groups (permuted g_idx), which {INT_FORMAT} cannot store")
-        if targets[name] != p.scheme.group_size:
+        if p.scheme.type == "int" and targets[name] != p.scheme.group_size:
             p = regroup(p, targets[name])
         iq = input_quant.get(name)
-        weight = src.tensor(f"{name}.weight")
+        if iq is not None and (iq.scheme.type == "float") != (p.scheme.type == "float"):
+            raise OptcError(f"{name}: {iq.scheme.label()} inputs need weights on the same kind of grid, "
+                            f"not {p.scheme.label()}")
         with torch.no_grad():
-            if iq is None:
-                compressed[name] = compress_weight(name, weight, p)
-            else:
-                compressed[name] = _compress_int_module(weight, p, iq)
-        act_key = None if iq is None else (iq.scheme.strategy, iq.scheme.dynamic, iq.scheme.observer if not iq.scheme.dynamic else None)
-        key = (p.scheme.bits, p.scheme.symmetric, p.scheme.group_size, act_key)
-        groups.setdefault(key, []).append(name)
+            compressed[name] = _compress_module(name, src.tensor(f"{name}.weight"), p, iq)
+        act = None if iq is None else iq.scheme
+        groups.setdefault((_module_format(p, iq), p.scheme, act), []).append(name)
 
-    scales_in_dtype(compressed, src.dtype)
+    scales_in_dtype({n: t for n, t in compressed.items() if qparams[n].scheme.type == "int"}, src.dtype)
     files = write_weights(splice(src, compressed), directory, max_shard_bytes)
 
     config_groups = {}
     formats = set()
-    for i, ((bits, sym, gs, act_key), names) in enumerate(groups.items()):
-        fmt = PACK_FORMAT if act_key is None else INT_FORMAT
+    for i, ((fmt, scheme, act), names) in enumerate(groups.items()):
         formats.add(fmt)
         config_groups[f"group_{i}"] = {
             "targets": names,
-            "weights": weights_args(QuantScheme(bits=bits, symmetric=sym, group_size=gs), False),
-            "input_activations": None if act_key is None else _input_args(input_quant[names[0]].scheme),
+            "weights": float_weights_args(scheme) if scheme.type == "float" else weights_args(scheme, False),
+            "input_activations": None if act is None else _input_args(act),
             "output_activations": None,
             "format": fmt,
         }
@@ -132,6 +151,8 @@ def write_int(src: ExportSource, directory: Path, *, max_shard_bytes: int = DEFA
         "modules": len(compressed),
         "activation_modules": len(input_quant),
         "files": [f.name for f in files],
+        "groups": {g: k[1].label() + ("" if k[2] is None else f" + {k[2].label()} inputs")
+                   for g, k in zip(config_groups, groups)},
     }
     log.info("%s: %d modules, %d bytes in %s", fmt, summary["modules"], summary["bytes"], directory)
     return summary
@@ -161,23 +182,29 @@ def read_compressed_tensors(
     input_quant: dict[str, InputQuant] = {}
     names = [k.removesuffix(".weight_scale") for k in list(state) if k.endswith(".weight_scale")]
     for name in names:
-        group, scheme = weight_scheme(name, qc, (INT_FORMAT, "naive-quantized"))
-        q = state[f"{name}.weight"]
-        scale = state.pop(f"{name}.weight_scale")
-        zp = state.pop(f"{name}.weight_zero_point", None)
-        zero = torch.zeros(scale.shape, dtype=torch.int32) if zp is None else zp.to(torch.int32)
-        p = QuantParams(scheme, scale.float(), zero, default_g_idx(q.shape[1], scheme))
-        state[f"{name}.weight"] = dequantize(q, p, scale.dtype)
-        qparams[name] = p
+        group = _scheme_for(name, qc["config_groups"])
+        if (group.get("format") or qc.get("format")) in FLOAT_FORMATS:
+            state[f"{name}.weight"], qparams[name] = dequantize_float(name, state, group["weights"])
+        else:
+            group, scheme = weight_scheme(name, qc, (INT_FORMAT, "naive-quantized"))
+            q = state[f"{name}.weight"]
+            scale = state.pop(f"{name}.weight_scale")
+            zp = state.pop(f"{name}.weight_zero_point", None)
+            zero = torch.zeros(scale.shape, dtype=torch.int32) if zp is None else zp.to(torch.int32)
+            p = QuantParams(scheme, scale.float(), zero, default_g_idx(q.shape[1], scheme))
+            state[f"{name}.weight"] = dequantize(q, p, scale.dtype)
+            qparams[name] = p
         ia = group.get("input_activations")
         input_scale = state.pop(f"{name}.input_scale", None)
         state.pop(f"{name}.input_zero_point", None)
         if ia:
-            if ia.get("type", "int") != "int" or not ia.get("symmetric", True):
-                raise OptcError(f"{name}: only symmetric int input activations are supported")
+            if ia.get("type", "int") not in ("int", "float") or ia.get("num_bits", 8) != 8 \
+                    or not ia.get("symmetric", True):
+                raise OptcError(f"{name}: only symmetric int8 or FP8 input activations are supported")
             observer = ia.get("observer")
             act = ActivationScheme(
                 bits=ia.get("num_bits", 8),
+                type=ia.get("type", "int"),
                 strategy=ia.get("strategy") or "tensor",
                 dynamic=bool(ia.get("dynamic", False)),
                 **({"observer": observer} if observer in _OBSERVERS else {}),

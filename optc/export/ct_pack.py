@@ -323,11 +323,15 @@ def _scheme_for(name: str, config_groups: dict) -> dict:
     raise OptcError(f"no config group of the checkpoint targets {name}")
 
 
+def _group_format(name: str, qc: dict) -> str | None:
+    return _scheme_for(name, qc["config_groups"]).get("format") or qc.get("format")
+
+
 def weight_scheme(name: str, qc: dict, formats: tuple[str, ...]) -> tuple[dict, QuantScheme]:
     """Module ``name``'s config group in ``quantization_config`` ``qc`` and its weight scheme;
     the group's format must be one of ``formats`` (the first names it in the error)."""
     group = _scheme_for(name, qc["config_groups"])
-    fmt = group.get("format") or qc.get("format")
+    fmt = _group_format(name, qc)
     args = group["weights"]
     if fmt not in formats or args.get("type", "int") != "int":
         raise OptcError(f"{name}: format {fmt!r} / type {args.get('type')!r} is not int {formats[0]}")
@@ -382,6 +386,8 @@ def read_pack_quantized(
     qparams: dict[str, QuantParams] = {}
     modules = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
     for name in modules:
+        if _group_format(name, qc) not in (FORMAT, None):
+            continue  # packed 4-bit floats (NVFP4, MXFP4): read by their own reader
         state[f"{name}.weight"], qparams[name] = dequantize_packed(name, tensors, qc)
     state.update(tensors)
     return state, qparams

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import optc
 from optc.errors import OptcError
 from optc.export.registry import Format
-from optc.export.source import ExportSource, ModelSource, refuse_activations
+from optc.export.source import ExportSource, ModelSource, integer_grid, refuse_activations
 from optc.model.gguf_keys import GGUF_PRE_TOKENIZER_KEY
 
 if TYPE_CHECKING:
@@ -517,6 +517,8 @@ def _fits(qtype: str, scheme: QuantScheme | None, permuted: bool) -> str | None:
     span = GGUF_TYPES[qtype][0]
     if scheme is None or span is None:
         return None
+    if integer_grid(scheme, f"GGUF {qtype.upper()}"):
+        return integer_grid(scheme, f"GGUF {qtype.upper()}")
     levels = (scheme.qmin, scheme.qmax) if scheme.symmetric else (-(2**scheme.bits - 1), 2**scheme.bits - 1)
     if levels[0] < span[0] or levels[1] > span[1]:
         return (f"{scheme.label()} needs integers in [{levels[0]}, {levels[1]}], "

@@ -40,7 +40,7 @@ from optc.export.files import (
     write_config,
 )
 from optc.export.registry import Format
-from optc.export.source import ExportSource, ModelSource, check_linear, refuse_activations, save_tokenizer, uniform_scheme
+from optc.export.source import ExportSource, ModelSource, check_linear, integer_grid, refuse_activations, save_tokenizer, uniform_scheme
 
 if TYPE_CHECKING:
     import torch
@@ -233,6 +233,8 @@ def read_gptq(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Quant
 
 
 def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
+    if integer_grid(scheme, "GPTQ"):
+        return integer_grid(scheme, "GPTQ")
     if scheme is not None and scheme.bits not in GPTQ_BITS:
         return f"GPTQ holds {'/'.join(map(str, GPTQ_BITS))}-bit weights, not {scheme.bits}-bit"
     return None

@@ -151,6 +151,13 @@ def check_linear(src: ExportSource, name: str, fmt: str) -> None:
         raise OptcError(f"{fmt} stores nn.Linear weights only; {name!r} is {kind or 'missing'}")
 
 
+def integer_grid(scheme: QuantScheme | None, fmt: str) -> str | None:
+    """Why ``fmt``, which holds integer codes only, cannot hold ``scheme`` (a float grid), or None."""
+    if scheme is not None and scheme.type == "float":
+        return f"{fmt} holds integer grids, not {scheme.label()} (compressed-tensors holds float grids)"
+    return None
+
+
 def refuse_activations(src: ExportSource, fmt: str) -> None:
     """Weight-only formats: a model that also quantizes activations would lose them silently."""
     if src.input_quant:

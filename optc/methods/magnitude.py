@@ -11,6 +11,8 @@ from optc.methods.base import LinearsConfig
 from optc.methods.registry import Method, register
 
 if TYPE_CHECKING:
+    import torch
+
     from optc.methods.workspace import Workspace
 
 
@@ -39,27 +41,38 @@ def run_magnitude(ws: Workspace, cfg: MagnitudeStage) -> dict:
     from optc.model.anatomy import select_linears, weight_2d
 
     linears = select_linears(ws.model, cfg.targets, cfg.ignore)
-    scores = {n: weight_2d(m).detach().abs() for n, m in linears.items()}
-    masks: dict[str, torch.Tensor] = {}
-    if cfg.pattern:
-        n, m = parse_pattern(cfg.pattern)
-        for name, s in scores.items():
+    nm = parse_pattern(cfg.pattern) if cfg.pattern else None
+    threshold = _global_threshold(linears, cfg.sparsity) if cfg.scope == "global" and nm is None else None
+    # One Linear's |W| at a time: scores for every Linear at once are a float copy of all the
+    # decoder weights, which put the run's peak RSS above the calibrated methods'.
+    per_module = {}
+    for name, module in linears.items():
+        s = weight_2d(module).detach().abs()
+        if nm is not None:
             try:
-                masks[name] = nm_mask(s, n, m)
+                mask = nm_mask(s, *nm)
             except OptcError as exc:
                 raise OptcError(f"{name}: {exc}") from exc
-    elif cfg.scope == "global":
-        flat = torch.cat([s.flatten() for s in scores.values()])
-        k = int(flat.numel() * cfg.sparsity)
-        threshold = flat.kthvalue(k).values if k else flat.min() - 1
-        masks = {name: s > threshold for name, s in scores.items()}
-    else:
-        masks = {name: unstructured_mask(s, cfg.sparsity) for name, s in scores.items()}
-    with torch.no_grad():
-        per_module = {name: apply_mask(ws, name, linears[name], mk) for name, mk in masks.items()}
-    nm = parse_pattern(cfg.pattern) if cfg.pattern else None
+        elif threshold is not None:
+            mask = s > threshold
+        else:
+            mask = unstructured_mask(s, cfg.sparsity)
+        del s
+        with torch.no_grad():
+            per_module[name] = apply_mask(ws, name, module, mask)
     ws.nm = nm or ws.nm
     return {"modules": per_module, **sparsity_summary(ws.model, linears, nm)}
+
+
+def _global_threshold(linears: dict, sparsity: float) -> torch.Tensor:
+    """The |W| below which ``sparsity`` of all the Linears' weights fall (one threshold for all)."""
+    import torch
+
+    from optc.model.anatomy import weight_2d
+
+    flat = torch.cat([weight_2d(m).detach().abs().flatten() for m in linears.values()])
+    k = int(flat.numel() * sparsity)
+    return flat.kthvalue(k).values if k else flat.min() - 1
 
 
 METHOD = register(Method(name="magnitude", config=MagnitudeStage, run=run_magnitude, kind="prune"))
