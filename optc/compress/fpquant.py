@@ -30,6 +30,10 @@ E2M1_MAX = 6.0
 # E4M3's smallest normal number: below it a value keeps fewer than 3 mantissa bits.
 E4M3_MIN_NORMAL = 2.0**-6
 E8M0_BIAS = 127
+FP4_CODES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+_ties_up = torch.tensor([False, True, False, True, False, True, False])
+_E2M1_MIDS = torch.where(_ties_up, torch.nextafter((FP4_CODES[:-1] + FP4_CODES[1:]) / 2, torch.tensor(0.0)),
+                         (FP4_CODES[:-1] + FP4_CODES[1:]) / 2)
 
 
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -39,12 +43,12 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def round_e2m1_(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded in place to the nearest E2M1 value (saturating at +-6), ties to even."""
-    a = x.abs()
-    # The grid's spacing is 0.5 below 2, 1 below 4, 2 up to 6: round(a / step) * step, whose
-    # half-to-even rounding of the integer a / step is the even-mantissa tie rule.
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)).to(x.dtype)
-    a.div_(step).round_().mul_(step).clamp_(max=E2M1_MAX)
-    return x.copy_(a.copysign_(x))
+    # The midpoints between neighbours; bucketize sends a value equal to a boundary to the lower
+    # side, so the midpoints whose tie goes up (to the even mantissa: 1, 2, 4) are moved down by
+    # one ulp. One search and one gather: fewer passes over GPTQ's columns than stepwise rounding.
+    # In float32: a one-ulp nudge would vanish in a 16-bit dtype.
+    idx = torch.bucketize(x.abs().float(), _E2M1_MIDS.to(x.device))
+    return x.copy_(FP4_CODES.to(device=x.device, dtype=x.dtype)[idx].copysign_(x))
 
 
 def round_float_(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -102,7 +106,6 @@ def nvfp4_global_scale(scale: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones(1), e - 1)
 
 
-FP4_CODES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
 
 def e2m1_nibbles(q: torch.Tensor) -> torch.Tensor:
