@@ -20,8 +20,12 @@ def main() -> None:
     ap.add_argument("text")
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=40)
+    # compressed-tensors 0.20 decompresses NVFP4/MXFP4 weights in bfloat16 only: those load in
+    # the dtype their config declares ("auto").
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32")
     args = ap.parse_args()
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
     with open(args.text, encoding="utf-8") as fh:
         ids = tok(fh.read(), add_special_tokens=False, return_tensors="pt").input_ids[0]
