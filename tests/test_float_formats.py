@@ -264,3 +264,24 @@ def test_stored_bits_count_the_file(tmp_path: Path) -> None:
                           torch.tensor(f.get_slice(key).get_shape()).prod().item() * f.get_tensor(key).element_size() * 8
                           for key in f.keys() if key.startswith(f"{name}.weight"))
             assert fmt.stored_bits(p.scheme, n, k, 16, False) == on_disk, name
+
+
+
+def test_non_dividing_rows_are_refused_before_calibration(default_tokenizer, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from optc.cli.main import app
+
+    src = tmp_path / "tiny"  # down_proj is 200 wide: not a multiple of 16
+    tiny_model("llama").save_pretrained(src)
+    default_tokenizer.save_pretrained(src)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "version: 1\nname: nv\nstages:\n  - type: gptq\n    scheme: {type: float, bits: 4, group_size: 16}\n"
+        "    ignore: [lm_head]\nexport: {format: compressed-tensors}\n", encoding="utf-8")
+    result = CliRunner().invoke(app, ["run", str(recipe), "--model", str(src), "--no-eval",
+                                      "--output", str(tmp_path / "out"), "-q", "--samples", "2", "--seqlen", "16"])
+    assert result.exit_code != 0
+    assert "nvfp4-g16 needs in_features divisible by 16: model.layers.0.mlp.down_proj has 200" in result.output
+    assert "(and 1 more Linears)" in result.output and "stage 0" not in result.output
+    assert not (tmp_path / "out").exists()

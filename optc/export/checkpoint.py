@@ -410,3 +410,17 @@ def check_free_space(target: Path, needed: int) -> None:
             f"not enough disk space for {target}: the checkpoint needs about {needed / 2**20:,.0f} MiB, "
             f"{where} has {free / 2**20:,.0f} MiB free"
         )
+
+
+def check_float_widths(model: torch.nn.Module, schemes: Mapping[str, object]) -> None:
+    """Refuse, before any calibration, an NVFP4 or MXFP4 Linear whose input width is not a multiple
+    of its group (16 or 32): the formats and their runtimes hold whole groups only."""
+    bad = [(name, scheme, weight_2d(model.get_submodule(name)).shape[1]) for name, scheme in schemes.items()
+           if getattr(scheme, "type", "int") == "float" and scheme.group_size
+           and weight_2d(model.get_submodule(name)).shape[1] % scheme.group_size]
+    if bad:
+        name, scheme, cols = bad[0]
+        raise OptcError(f"{scheme.label()} needs in_features divisible by {scheme.group_size}: {name} has {cols}"
+                        + (f" (and {len(bad) - 1} more Linears)" if len(bad) > 1 else "")
+                        + "; ignore them or give them another scheme in overrides")
+

@@ -23,7 +23,7 @@ from optc.evaluate.perplexity import PerplexityResult, evaluation_token_cache, p
 from optc.evaluate.report import layer_statistics, record_non_finite, stage_layer_info
 from optc.evaluate.size import size_metrics
 from optc.export.compressed_tensors import sparsity_config, write_sparsity_config
-from optc.export.checkpoint import check_free_space, check_output, check_stored_bits, claimed_output
+from optc.export.checkpoint import check_free_space, check_output, check_float_widths, check_stored_bits, claimed_output
 from optc.export.checkpoint import directory_bytes, estimate_checkpoint_bytes, staged_output
 from optc.export.formats import check_schemes, get_format
 from optc.export.load import load_checkpoint as load_model
@@ -171,10 +171,11 @@ def _run_claimed(
         inputs = {**inputs, "model": loaded.path}
         check_output(output, overwrite, inputs, force=force_overwrite)
     if output is not None:
-        check_stored_bits(loaded.model, planned_schemes(loaded.model, recipe.stages), recipe.export.format)
+        planned = planned_schemes(loaded.model, recipe.stages)
+        check_stored_bits(loaded.model, planned, recipe.export.format)
+        check_float_widths(loaded.model, planned)
     if output is not None and is_main_process() and not streaming:  # no hours of calibration for a checkpoint that cannot fit
-        check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned_schemes(loaded.model, recipe.stages),
-                                                           recipe.export.format))
+        check_free_space(output, estimate_checkpoint_bytes(loaded.model, planned, recipe.export.format))
     dtype = stored_dtype(recipe.export.dtype, loaded.source_dtype, loaded.from_gguf, loaded.model.dtype)
     budgets = _budget_stages(recipe)
     if budgets and streaming:
