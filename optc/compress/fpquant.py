@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import torch
 
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-# E4M3's smallest normal number: below it a value keeps fewer than 3 mantissa bits.
-E4M3_MIN_NORMAL = 2.0**-6
+from optc.compress.schemes import FLOAT_MAX
+
+E4M3_MAX = FLOAT_MAX[8]
 E8M0_BIAS = 127
 FP4_CODES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 _ties_up = torch.tensor([False, True, False, True, False, True, False])
@@ -104,8 +103,6 @@ def nvfp4_global_scale(scale: torch.Tensor) -> torch.Tensor:
         return torch.ones(1)
     _, e = torch.frexp(torch.tensor(E4M3_MAX / top))
     return torch.ldexp(torch.ones(1), e - 1)
-
-
 
 
 def e2m1_nibbles(q: torch.Tensor) -> torch.Tensor:

@@ -191,8 +191,10 @@ def read_awq(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantP
 
 
 def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
-    if scheme is None or integer_grid(scheme, "AWQ"):
-        return integer_grid(scheme, "AWQ")
+    if scheme is None:
+        return None
+    if refusal := integer_grid(scheme, "AWQ"):
+        return refusal
     if scheme.bits != BITS:
         return f"AWQ GEMM holds 4-bit weights only, not {scheme.bits}-bit"
     if permuted:

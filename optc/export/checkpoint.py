@@ -415,12 +415,11 @@ def check_free_space(target: Path, needed: int) -> None:
 def check_float_widths(model: torch.nn.Module, schemes: Mapping[str, object]) -> None:
     """Refuse, before any calibration, an NVFP4 or MXFP4 Linear whose input width is not a multiple
     of its group (16 or 32): the formats and their runtimes hold whole groups only."""
-    bad = [(name, scheme, weight_2d(model.get_submodule(name)).shape[1]) for name, scheme in schemes.items()
-           if getattr(scheme, "type", "int") == "float" and scheme.group_size
-           and weight_2d(model.get_submodule(name)).shape[1] % scheme.group_size]
+    widths = {name: weight_2d(model.get_submodule(name)).shape[1] for name, scheme in schemes.items()
+              if getattr(scheme, "type", "int") == "float" and scheme.group_size}
+    bad = [(name, schemes[name], k) for name, k in widths.items() if k % schemes[name].group_size]
     if bad:
         name, scheme, cols = bad[0]
         raise OptcError(f"{scheme.label()} needs in_features divisible by {scheme.group_size}: {name} has {cols}"
                         + (f" (and {len(bad) - 1} more Linears)" if len(bad) > 1 else "")
                         + "; ignore them or give them another scheme in overrides")
-

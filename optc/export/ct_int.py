@@ -26,6 +26,7 @@ from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequant
 from optc.errors import OptcError
 from optc.export.ct_pack import (
     DEFAULT_SHARD_BYTES,
+    _group_format,
     _scheme_for,
     _target_group_sizes,
     checked_linear,
@@ -183,7 +184,7 @@ def read_compressed_tensors(
     names = [k.removesuffix(".weight_scale") for k in list(state) if k.endswith(".weight_scale")]
     for name in names:
         group = _scheme_for(name, qc["config_groups"])
-        if (group.get("format") or qc.get("format")) in FLOAT_FORMATS:
+        if _group_format(name, qc) in FLOAT_FORMATS:
             state[f"{name}.weight"], qparams[name] = dequantize_float(name, state, group["weights"])
         else:
             group, scheme = weight_scheme(name, qc, (INT_FORMAT, "naive-quantized"))

@@ -517,8 +517,8 @@ def _fits(qtype: str, scheme: QuantScheme | None, permuted: bool) -> str | None:
     span = GGUF_TYPES[qtype][0]
     if scheme is None or span is None:
         return None
-    if integer_grid(scheme, f"GGUF {qtype.upper()}"):
-        return integer_grid(scheme, f"GGUF {qtype.upper()}")
+    if refusal := integer_grid(scheme, f"GGUF {qtype.upper()}"):
+        return refusal
     levels = (scheme.qmin, scheme.qmax) if scheme.symmetric else (-(2**scheme.bits - 1), 2**scheme.bits - 1)
     if levels[0] < span[0] or levels[1] > span[1]:
         return (f"{scheme.label()} needs integers in [{levels[0]}, {levels[1]}], "

@@ -233,8 +233,8 @@ def read_gptq(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Quant
 
 
 def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
-    if integer_grid(scheme, "GPTQ"):
-        return integer_grid(scheme, "GPTQ")
+    if refusal := integer_grid(scheme, "GPTQ"):
+        return refusal
     if scheme is not None and scheme.bits not in GPTQ_BITS:
         return f"GPTQ holds {'/'.join(map(str, GPTQ_BITS))}-bit weights, not {scheme.bits}-bit"
     return None
