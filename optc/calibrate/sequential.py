@@ -252,6 +252,14 @@ class LayerStep:
         self.forwards += 1
         return [_call_layer(self.layer, b, self.autocast) for b in self.batches]
 
+    @torch.no_grad()
+    def outputs(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This layer's outputs on other inputs (one per batch, e.g. the float model's), as
+        normal tensors rather than inference ones: a method may train against them."""
+        self.forwards += 1
+        return [_call_layer(self.layer, Batch(h, b.args, b.kwargs), self.autocast)
+                for h, b in zip(hiddens, self.batches)]
+
 
 Solver = Callable[[LayerStep], dict]
 

@@ -15,7 +15,7 @@ from optc.methods.workspace import Workspace
 # The built-in methods register themselves on import, in this order (the order error messages
 # and --help list them in). A new method is one new module that calls register(), plus its
 # import here (or wherever a plugin is loaded).
-from optc.methods import rtn, gptq, awq  # noqa: F401, I001 - registration order
+from optc.methods import rtn, gptq, awq, signround  # noqa: F401, I001 - registration order
 from optc.methods import magnitude, wanda, sparsegpt, structured  # noqa: F401
 from optc.methods import smoothquant, w8a8, recover  # noqa: F401
 

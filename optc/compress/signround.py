@@ -1,0 +1,188 @@
+"""Optimized rounding by signed gradient descent (SignRound: Cheng et al. 2023, "Optimize Weight
+Rounding via Signed Gradient Descent for the Quantization of LLMs", arXiv:2309.05516).
+
+Notation of the paper (Sec. 3, Eq. 1-4), per group of a weight ``W`` ([N, K], groups along K):
+
+    s = (max(W) * alpha - min(W) * beta) / (2^b - 1),   zp = round(-min(W) * beta / s)
+    W~ = s * (clip(round(W / s + V) + zp, 0, 2^b - 1) - zp)
+
+``V`` in [-0.5, 0.5] (one per weight) moves each weight across its rounding boundary; ``alpha``
+and ``beta`` in [0.5, 1] clip the group's range. They are learnt by signed gradient descent
+(Sec. 3.2, Eq. 5: ``theta <- theta - lr * sign(grad)``) on the output error of a decoder block,
+the gradients passing ``round`` unchanged (straight-through). Symmetric grids (optc's signed
+domain, zero point 0) take ``s = max(|min(W)| beta, max(W) alpha) / ((2^b - 1) / 2)``, the grid
+of :func:`optc.compress.quant.params_from_range`.
+
+optc's addition (algorithms.md, "Optimized rounding"): the search can start from another
+solution's codes and grid (GPTQ's) instead of round-to-nearest. The start grid gives the base
+range, and a fixed per-weight offset ``D`` moves ``u = W / s`` into its start code ``c``'s
+rounding cell when it lies outside: mirrored across the cell's boundary, as far inside as it
+was outside, so ``V = 0`` reproduces the start codes and the weights that flip first under small
+steps are, as from round-to-nearest, the ones nearest a boundary. (Placed just inside the
+boundary instead, every code GPTQ moved flips back within a few steps and the loss jumps
+seventy-fold; placed at the cell's centre, they could never flip.)
+
+Everything here is a pure function of tensors; the loss and the loop over a layer's batches are
+the method's (:mod:`optc.methods.signround`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from optc.compress.quant import QuantParams, QuantScheme, _grouped_minmax, default_g_idx
+
+# The farthest from its code a start anchor sits (code units): V = 0 must round to the start code
+# itself, and 0.5 exactly would be a tie.
+_CELL = 0.499
+
+
+@dataclass
+class Rounding:
+    """The learnable state of one weight: ``V`` ([N, G, g], the padded group view) and the clip
+    factors ``alpha``, ``beta`` ([N, G]) with their bounds, over a base range ``lo``/``hi``."""
+
+    V: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    upper: torch.Tensor  # the largest clip factor of each group (1, or back to the min-max range)
+    lower: float
+    offset: torch.Tensor | None  # D ([N, G, g]) when started from given codes
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.V, self.alpha, self.beta]
+
+    def snapshot(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t.detach().clone() for t in self.tensors())
+
+    def restore(self, saved: tuple[torch.Tensor, ...]) -> None:
+        with torch.no_grad():
+            for t, s in zip(self.tensors(), saved):
+                t.copy_(s)
+
+
+def _group_view(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """``w`` ([N, K]) zero-padded to whole groups, as [N, G, g]."""
+    n, k = w.shape
+    g = k if scheme.group_size is None else scheme.group_size
+    groups = math.ceil(k / g)
+    pad = groups * g - k
+    return (torch.nn.functional.pad(w, (0, pad)) if pad else w).reshape(n, groups, g)
+
+
+def _range_of(p: QuantParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [lo, hi] range whose grid is ``p`` (inverse of ``params_from_range``)."""
+    s, z = p.scale.float(), p.zero.float()
+    if p.scheme.symmetric:
+        amax = s * ((p.scheme.qmax - p.scheme.qmin) / 2)
+        return -amax, amax
+    lo = (p.scheme.qmin - z) * s
+    return lo, lo + s * (p.scheme.qmax - p.scheme.qmin)
+
+
+def init_rounding(
+    w: torch.Tensor, scheme: QuantScheme, start: QuantParams | None = None,
+    start_codes: torch.Tensor | None = None, lower: float = 0.5,
+) -> Rounding:
+    """The search's start: round-to-nearest on the min-max range (``start`` None, the paper's),
+    or ``start``'s grid with its integer codes ``start_codes`` ([N, K], signed domain)."""
+    if scheme.type != "float" and start is not None and not torch.equal(
+            start.g_idx.cpu(), default_g_idx(w.shape[1], scheme)):
+        raise ValueError("optimized rounding starts from contiguous groups (no act-order permutation)")
+    w3 = _group_view(w.float(), scheme)
+    lo_mm, hi_mm = _grouped_minmax(w.float(), scheme)
+    n, groups, _ = w3.shape
+    ones = torch.ones(n, groups, dtype=torch.float32, device=w.device)
+    if start is None:
+        lo, hi, upper, offset = lo_mm, hi_mm, ones.clone(), None
+    else:
+        lo, hi = _range_of(start)
+        # The clip factors may grow back to the min-max range the start grid clipped.
+        grow = torch.maximum(-lo_mm / (-lo).clamp_min(1e-12), hi_mm / hi.clamp_min(1e-12))
+        upper = grow.clamp(1.0, 2.0)
+        s3 = start.scale.float()[..., None]
+        u = w3 / s3  # the start grid's real-valued code, zero point excluded
+        c = _group_view(start_codes.float(), scheme) - start.zero.float()[..., None]
+        e = u - c
+        # Mirrored into the start code's cell: as far inside it as u is outside it.
+        offset = c + e.sign() * torch.minimum(e.abs(), (1 - e.abs()).clamp(0, _CELL)) - u
+    return Rounding(
+        V=torch.zeros_like(w3), alpha=ones.clone(), beta=ones.clone(), lo=lo, hi=hi,
+        upper=upper, lower=lower, offset=offset,
+    )
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """``round(x)`` with the identity as its gradient (the straight-through estimator)."""
+    return x + (torch.round(x) - x).detach()
+
+
+def grid(r: Rounding, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero point ([N, G]) of the clipped range (Eq. 2), differentiable in alpha, beta."""
+    lo, hi = r.lo * r.beta, r.hi * r.alpha
+    span = scheme.qmax - scheme.qmin
+    if scheme.symmetric:
+        s = torch.maximum(-lo, hi) / (span / 2)
+        return s.clamp_min(1e-12), torch.zeros_like(s)
+    s = ((hi - lo) / span).clamp_min(1e-12)
+    z = (scheme.qmin - _round_ste(lo / s)).clamp(scheme.qmin, scheme.qmax)
+    return s, z
+
+
+def quantize_dequantize(w3: torch.Tensor, r: Rounding, scheme: QuantScheme) -> torch.Tensor:
+    """``W~`` of Eq. 1 on the padded group view ``w3`` ([N, G, g]), differentiable in V, alpha and
+    beta; ``w3`` is the float weight, fixed."""
+    s, z = grid(r, scheme)
+    s3, z3 = s[..., None], z[..., None]
+    x = w3 / s3 + r.V
+    if r.offset is not None:
+        x = x + r.offset
+    q = (_round_ste(x) + z3).clamp(scheme.qmin, scheme.qmax)
+    return (q - z3) * s3
+
+
+def as_weight(w_hat3: torch.Tensor, k: int) -> torch.Tensor:
+    """The [N, G, g] view back to the weight's [N, K]."""
+    return w_hat3.reshape(w_hat3.shape[0], -1)[:, :k]
+
+
+def sign_step_(r: Rounding, lr: float, clip: bool = True) -> None:
+    """One signed gradient step (Eq. 5), then the parameters clamped to their ranges."""
+    with torch.no_grad():
+        r.V.sub_(r.V.grad.sign(), alpha=lr).clamp_(-0.5, 0.5)
+        if clip:
+            for t in (r.alpha, r.beta):
+                t.sub_(t.grad.sign(), alpha=lr)
+                torch.minimum(t.clamp_(min=r.lower), r.upper, out=t)
+    for t in r.tensors():
+        t.grad = None
+
+
+def finish(w: torch.Tensor, r: Rounding, scheme: QuantScheme) -> tuple[torch.Tensor, QuantParams]:
+    """The fake-quantized weight ([N, K], float32) and its grid for the current state: codes
+    exact on the grid, so every exporter holds them without re-rounding."""
+    with torch.no_grad():
+        w3 = _group_view(w.float(), scheme)
+        s, z = grid(r, scheme)
+        w_hat = as_weight(quantize_dequantize(w3, r, scheme), w.shape[1])
+    # An all-zero group's codes are 0 on any grid: it stores the scale 1, as min-max grids do.
+    s = torch.where(s > 1e-12, s, torch.ones_like(s))
+    p = QuantParams(scheme, s.clone(), z.round().to(torch.int32), default_g_idx(w.shape[1], scheme).to(w.device))
+    return w_hat, p
+
+
+def requires_grad_(r: Rounding, clip: bool = True) -> Rounding:
+    r.V.requires_grad_(True)
+    for t in (r.alpha, r.beta):
+        t.requires_grad_(clip)
+    return r
+
+
+def detached(r: Rounding) -> Rounding:
+    """A copy without gradients (for tests and checkpoints of the best iterate)."""
+    return replace(r, V=r.V.detach().clone(), alpha=r.alpha.detach().clone(), beta=r.beta.detach().clone())

@@ -1,0 +1,374 @@
+"""Optimized rounding (SignRound, Cheng et al. 2023): each decoder layer's rounding and clipping
+learnt by signed gradient descent on the layer's output error, started from GPTQ's solution."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import math
+import time
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, model_validator
+
+from optc.methods.base import WeightQuantConfig
+from optc.methods.registry import Method, register
+
+if TYPE_CHECKING:
+    import torch
+
+    from optc.calibrate.sequential import LayerStep
+    from optc.methods.workspace import Workspace
+
+log = logging.getLogger(__name__)
+
+# Iterations and learning rate of each preset: the paper's 200 at 1/iters; light as AutoRound's
+# light preset (50 at 5e-3); best four times the default's steps.
+PRESETS: dict[str, tuple[int, float | None]] = {"light": (50, 5e-3), "default": (200, None), "best": (800, None)}
+
+
+class SignRoundStage(WeightQuantConfig):
+    """Optimized rounding (SignRound): per decoder layer, a rounding offset per weight and clip
+    factors per group, learnt by signed gradient descent on the layer's output error."""
+
+    type: Literal["signround"]
+    preset: Literal["light", "default", "best"] = Field(
+        "default", description="light: 50 iterations at lr 5e-3; default: 200 at 1/iters; best: 800 at 1/iters")
+    iters: int | None = Field(None, gt=0, description="signed-gradient steps per layer (default: the preset's)")
+    lr: float | None = Field(None, gt=0, description="initial learning rate, decaying linearly to 0 (default: the "
+                             "preset's, 1/iters)")
+    batch: int = Field(8, gt=0, description="calibration sequences per step")
+    start: Literal["gptq", "rtn"] = Field(
+        "gptq", description="start from GPTQ's codes and grids, or round-to-nearest on the min-max range (AutoRound)")
+    inputs: Literal["quantized", "float"] = Field(
+        "quantized", description="the quantized layer reads the quantized model's activations (AutoRound's setting) "
+        "or the float model's; the target is always the float layer on the float model's activations")
+    observer: Literal["minmax", "mse"] = Field(
+        "mse", description="the start grid: min-max, or the activation-weighted MSE search GPTQ uses (start: rtn, "
+        "observer: minmax is AutoRound's start)")
+    clip: bool | None = Field(
+        None, description="learn the clip factors of every group's range too (default: from the rtn start only; "
+        "from GPTQ's searched grid, learning them raised every layer's loss)")
+    refit_scales: bool = Field(True, description="least-squares scales for the final codes (GPTQ's refit)")
+    autocast: Literal["auto", "off", "bfloat16"] = Field(
+        "auto", description="bfloat16 matmuls in the training loop; auto: on CPUs with AMX and on accelerators")
+    seed: int = 0
+    dampening: float = Field(0.01, gt=0, description="GPTQ start: fraction of mean diag(H) added to H")
+
+    @model_validator(mode="after")
+    def _integer_grids(self) -> SignRoundStage:
+        for where, scheme, _ in self.planned_schemes():
+            if scheme is not None and scheme.type == "float":
+                raise ValueError(f"signround learns integer grids; {where} is {scheme.label()} (use rtn or gptq "
+                                 "for floating-point grids)")
+        return self
+
+    def learns_clip(self) -> bool:
+        return self.start == "rtn" if self.clip is None else self.clip
+
+    def schedule(self) -> tuple[int, float]:
+        """Iterations per layer and initial learning rate."""
+        iters, lr = PRESETS[self.preset]
+        iters = self.iters or iters
+        return iters, self.lr or lr or 1.0 / iters
+
+
+@functools.cache
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def training_dtype(choice: str, device: str) -> torch.dtype | None:
+    """bfloat16 for the training loop's matmuls, or None (float32): decided from the hardware,
+    never by timing. On CPUs without AMX bfloat16 matmuls are no faster than float32 ones."""
+    import torch
+
+    if choice == "bfloat16" or (choice == "auto" and (device != "cpu" or _has_amx())):
+        return torch.bfloat16
+    return None
+
+
+def _plain(obj):
+    """Tensors of ``obj`` (nested tuples, lists, dicts) as normal tensors: the calibration inputs
+    were made under inference mode, which autograd cannot save for backward."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.clone() if obj.is_inference() else obj
+    if isinstance(obj, tuple):
+        return tuple(_plain(o) for o in obj)
+    if isinstance(obj, list):
+        return [_plain(o) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
+
+
+def check_trainable(step: LayerStep, names: list[str]) -> None:
+    """Refuse, before this layer is trained, one whose output carries no gradient to one of its
+    quantized weights (a custom kernel without a backward): one sample's forward and backward."""
+    import torch
+
+    from optc.errors import OptcError
+    from optc.model.anatomy import weight_2d
+
+    b = step.batches[0]
+    weights = {n: step.linears[n].weight for n in names}
+    with torch.enable_grad():
+        for w in weights.values():
+            w.requires_grad_(True)
+            w.grad = None
+        try:
+            out = step.layer(_plain(b.hidden[:1]), *_plain(b.args), **_plain(b.kwargs))
+            out = out[0] if isinstance(out, tuple) else out
+            if out.requires_grad:
+                out.float().sum().backward()
+            dead = [n for n, w in weights.items() if w.grad is None]
+        finally:
+            for w in weights.values():
+                w.requires_grad_(False)
+                w.grad = None
+    if dead:
+        raise OptcError(f"signround: the output of {step.name} carries no gradient to {dead[0]} (a kernel "
+                        "without a backward?); use gptq or awq for this model")
+
+
+class _Differs(Exception):
+    """Two batches' extra layer inputs differ where they cannot be concatenated."""
+
+
+def _cat_samples(parts: list, rows: list[int]):
+    """One structure from several batches' (args or kwargs): tensors with a row per sample
+    (first dimension ``rows[i]``) concatenated, others (masks broadcast over the batch, cache
+    positions) kept when all batches agree."""
+    import torch
+
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() and all(p.shape[0] == n for p, n in zip(parts, rows)):
+            return torch.cat(parts)
+        if all(p is first or (p.shape == first.shape and torch.equal(p, first)) for p in parts[1:]):
+            return first
+        raise _Differs
+    if isinstance(first, (tuple, list)):
+        if any(len(p) != len(first) for p in parts):
+            raise _Differs
+        return type(first)(_cat_samples([p[i] for p in parts], rows) for i in range(len(first)))
+    if isinstance(first, dict):
+        if any(p.keys() != first.keys() for p in parts):
+            raise _Differs
+        return {k: _cat_samples([p[k] for p in parts], rows) for k in first}
+    if any(p is not first and p != first for p in parts[1:]):
+        raise _Differs
+    return first
+
+
+def _take(obj, rows: list[int], n: int):
+    """``obj``'s tensors with a row per sample (first dimension ``n``) cut to ``rows``."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj[rows] if obj.dim() and obj.shape[0] == n and len(rows) != n else obj
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_take(o, rows, n) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _take(v, rows, n) for k, v in obj.items()}
+    return obj
+
+
+def _step_batches(pick, batches, inputs, targets, args):
+    """The picked samples ((batch, row) pairs) as one batch: (x, args, kwargs, target, share of
+    the step's loss); when the batches' extra inputs cannot be concatenated, one per batch."""
+    import torch
+
+    by_batch: dict[int, list[int]] = {}
+    for i, r in pick:
+        by_batch.setdefault(i, []).append(r)
+    parts = []
+    for i, rows in by_batch.items():
+        n = batches[i].hidden.shape[0]
+        x = inputs[i] if inputs is not None else batches[i].hidden
+        a, kw = _take(args[i], rows, n)
+        parts.append((_take(x, rows, n), a, kw, _take(targets[i], rows, n)))
+    if len(parts) > 1:
+        try:
+            a, kw = _cat_samples([(p[1], p[2]) for p in parts], [p[0].shape[0] for p in parts])
+            parts = [(torch.cat([p[0] for p in parts]), a, kw, torch.cat([p[3] for p in parts]))]
+        except _Differs:
+            pass
+    total = sum(p[0].shape[0] for p in parts)
+    for x, a, kw, y in parts:
+        # A clone: a batch of the engine's is an inference tensor, which autograd cannot save.
+        yield (x.clone() if x.is_inference() else x), a, kw, y, x.shape[0] / total
+
+
+def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
+    import torch
+    import torch.nn.functional as F
+    from torch.func import functional_call
+    from transformers.pytorch_utils import Conv1D
+
+    from optc.calibrate.hessian import HessianAccumulator
+    from optc.compress import signround as sr
+    from optc.compress.gptq import refit_scales
+    from optc.compress.quant import choose_qparams, quantize
+    from optc.methods.common import record_quantized, run_calibration
+    from optc.methods.gptq import solve_gptq
+    from optc.model.anatomy import weight_2d
+
+    iters, lr = cfg.schedule()
+    dtype = training_dtype(cfg.autocast, ws.device)
+    per_module: dict[str, dict] = {}
+    float_hidden: list[torch.Tensor] = []  # the float model's inputs of the current layer
+    expected = [-1]  # the layer whose float inputs float_hidden holds
+
+    def solve(step: LayerStep) -> dict:
+        t0 = time.perf_counter()
+        names = [n for n in step.linears if cfg.scheme_for(n) is not None]
+        if step.index != expected[0]:
+            # The first layer, where both models agree; or one after a layer nothing was quantized
+            # in (solvers only see layers with targets): its quantized inputs stand in for the float ones.
+            if float_hidden:
+                log.warning("signround: %s follows a skipped layer; its targets are the float layer on the "
+                            "quantized model's inputs", step.name)
+            float_hidden[:] = [b.hidden.clone() for b in step.batches]
+        expected[0] = step.index + 1
+        check_trainable(step, names)
+        # The float layer's outputs: the targets, and the next layer's float inputs.
+        targets = step.outputs(float_hidden)
+        inputs = float_hidden if cfg.inputs == "float" else None
+        if inputs is None:
+            float_hidden[:] = targets
+        weights = {n: weight_2d(step.linears[n]).detach().float().clone() for n in names}
+
+        need_h = cfg.start == "gptq" or cfg.refit_scales or cfg.observer == "mse"
+        hessians = step.collect(names, lambda _n, m: HessianAccumulator(
+            weight_2d(m).shape[1], matmul_dtype=ws.calibration.autocast_dtype(), fold=step.fold)) if need_h else {}
+        H = {n: hessians[n].H for n in names} if need_h else {}
+        states: dict[str, sr.Rounding] = {}
+        if cfg.start == "gptq":
+            for name, res in solve_gptq(step, names, dict(hessians), cfg.scheme_for, ws.masks,
+                                        dampening=cfg.dampening, actorder=True, groups="lazy",
+                                        observer=cfg.observer, refit=True):
+                states[name] = sr.init_rounding(weights[name], cfg.scheme_for(name), res.params,
+                                                quantize(res.weight, res.params))
+        elif cfg.observer == "mse":
+            for name in names:
+                p = choose_qparams(weights[name], cfg.scheme_for(name), "mse", importance=H[name].diagonal())
+                states[name] = sr.init_rounding(weights[name], cfg.scheme_for(name), p, quantize(weights[name], p))
+        else:
+            for name in names:
+                states[name] = sr.init_rounding(weights[name], cfg.scheme_for(name))
+        del hessians
+        for st in states.values():
+            sr.requires_grad_(st, cfg.learns_clip())
+        w3 = {n: sr._group_view(weights[n], cfg.scheme_for(n)) for n in names}
+        masks = {n: sr._group_view(ws.masks[n].float(), cfg.scheme_for(n)) for n in names if n in ws.masks}
+
+        rel = {n: n[len(step.name) + 1:] + ".weight" for n in names}
+        conv = {n for n in names if isinstance(step.linears[n], Conv1D)}
+        frozen = [p for p in step.layer.parameters() if p.requires_grad]
+        for p in frozen:
+            p.requires_grad_(False)
+        args = [(_plain(b.args), _plain(b.kwargs)) for b in step.batches]
+        sizes = [b.hidden.shape[0] for b in step.batches]
+        samples = sum(sizes)
+        per_step = min(samples, cfg.batch)
+        # Sample -> (batch, row): each step draws cfg.batch samples and runs them as one batch
+        # (one [batch x seqlen, hidden] matmul per Linear: fewer, larger GEMMs than the engine's
+        # batches give, and one backward).
+        where = [(i, r) for i, n in enumerate(sizes) for r in range(n)]
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step.index)
+        device_type = step.batches[0].hidden.device.type
+        amp = torch.autocast(device_type, dtype=dtype) if dtype is not None else None
+        def quantized() -> dict[str, torch.Tensor]:
+            w_hat = {}
+            for n in names:
+                w = sr.quantize_dequantize(w3[n], states[n], cfg.scheme_for(n))
+                w_hat[n] = w * masks[n] if n in masks else w
+            return w_hat
+
+        def loss_on(pick, overrides, backward: bool) -> float:
+            total = 0.0
+            for x, a, kw, target, share in _step_batches(pick, step.batches, inputs, targets, args):
+                with amp if amp is not None else contextlib.nullcontext():
+                    out = functional_call(step.layer, overrides, (x, *a), kw)
+                out = out[0] if isinstance(out, tuple) else out
+                loss = F.mse_loss(out.float(), target) * share
+                if backward:
+                    loss.backward()
+                total += loss.detach().item()
+            return total
+
+        # The best iterate is chosen on fixed samples, every few steps: each step's own loss is on
+        # other samples, whose spread (about 10% on the default model) exceeds what a step gains.
+        held = [where[j] for j in torch.linspace(0, samples - 1, min(samples, 2 * cfg.batch)).round().long().unique()]
+        check_every = max(10, iters // 10)
+
+        def check(t: int) -> None:
+            nonlocal best, best_state
+            with torch.no_grad():
+                w_hat = quantized()
+                overrides = {rel[n]: (sr.as_weight(w_hat[n], weights[n].shape[1]).t() if n in conv
+                                      else sr.as_weight(w_hat[n], weights[n].shape[1])) for n in names}
+                value = loss_on(held, overrides, backward=False)
+            log.debug("signround %s step %d: held-out loss %.5g", step.name, t, value)
+            if value < best:
+                best, best_state = value, {n: st.snapshot() for n, st in states.items()}
+
+        best, best_state = math.inf, None
+        t_train = time.perf_counter()
+        try:
+            check(0)
+            first = best
+            for t in range(iters):
+                w_hat = quantized()
+                leaves = {n: sr.as_weight(w_hat[n], weights[n].shape[1]).detach().requires_grad_(True) for n in names}
+                overrides = {rel[n]: (leaves[n].t() if n in conv else leaves[n]) for n in names}
+                pick = [where[j] for j in torch.randperm(samples, generator=gen)[:per_step].tolist()]
+                with torch.enable_grad():
+                    loss_on(pick, overrides, backward=True)
+                grads = [leaves[n].grad.reshape(weights[n].shape[0], -1) for n in names]
+                padded = [torch.nn.functional.pad(g, (0, w_hat[n].shape[1] * w_hat[n].shape[2] - g.shape[1]))
+                          .view_as(w_hat[n]) for n, g in zip(names, grads)]
+                torch.autograd.backward([w_hat[n] for n in names], padded)
+                step_lr = lr * (1 - t / iters)
+                for st in states.values():
+                    sr.sign_step_(st, step_lr, cfg.learns_clip())
+                if (t + 1) % check_every == 0 or t + 1 == iters:
+                    check(t + 1)
+        finally:
+            for p in frozen:
+                p.requires_grad_(True)
+        train_seconds = time.perf_counter() - t_train
+        for n, st in states.items():
+            st.restore(best_state[n])
+        for name in names:
+            scheme = cfg.scheme_for(name)
+            w_hat, p = sr.finish(weights[name], states[name], scheme)
+            if name in ws.masks:
+                w_hat = w_hat * ws.masks[name].float()
+            if cfg.refit_scales:
+                w_hat, p = refit_scales(weights[name], H[name], w_hat, p)
+            module = step.linears[name]
+            per_module[name] = record_quantized(ws, name, module, w_hat.to(weight_2d(module).dtype), p)
+        del targets
+        seconds = time.perf_counter() - t0
+        log.info("signround %s: held-out loss %.4g -> %.4g in %.1f s (%.1f s of %d steps)", step.name, first,
+                 best, seconds, train_seconds, iters)
+        return {"signround_loss": [round(first, 8), round(best, 8)], "signround_seconds": round(seconds, 2),
+                "signround_train_seconds": round(train_seconds, 2)}
+
+    layers = run_calibration(ws, cfg, solve, "signround", records=per_module)
+    return {"modules": per_module, "layers": layers}
+
+
+METHOD = register(Method(
+    name="signround", config=SignRoundStage, run=run_signround, kind="quantize", streams=True,
+    accumulators=("hessian",),
+))
