@@ -198,3 +198,51 @@ def test_cli_quantize_with_signround(tiny_checkpoint, tmp_path):
     assert result.exit_code == 0, result.output
     model, qparams = load_dequantized(out, torch.float32, read_pack_quantized)
     assert qparams and all(isinstance(p, QuantParams) and p.scheme.bits == 3 for p in qparams.values())
+
+
+def test_steps_draw_across_multi_sample_batches():
+    """Engine batches of 4 samples, steps of 6: each step takes parts of two or three batches,
+    their per-sample layer inputs (rotary tables, masks) cut and concatenated alike."""
+    from optc.data import CalibrationConfig
+
+    ids = tiny_tokens(16, 32)
+    base = tiny_model("qwen2")
+    with torch.no_grad():
+        ref = base(ids).logits
+    model = copy.deepcopy(base)
+    ws = Workspace(model, None, calibration=CalibrationConfig(batch_size=4))
+    ws._ids = ids
+    cfg = SignRoundStage.model_validate({"type": "signround", "scheme": {"bits": 3, "group_size": 32}, "iters": 20,
+                                         "batch": 6})
+    METHODS["signround"].run(ws, cfg)
+    rtn = copy.deepcopy(base)
+    _quantize(rtn, ids, type="rtn")
+    assert _logit_error(model, ref, ids) < _logit_error(rtn, ref, ids)
+
+
+def test_picked_samples_are_batched_with_their_own_layer_inputs():
+    from optc.methods.signround import _step_batches
+    from optc.model.forward import Batch
+
+    t = 5
+    hidden = [torch.randn(2, t, 3), torch.randn(2, t, 3)]
+    cos = [torch.randn(2, t, 4), torch.randn(2, t, 4)]
+    targets = [h * 2 for h in hidden]
+
+    def batches(positions):
+        return [Batch(h, ((c, c + 1),), {"cache_position": p}) for h, c, p in zip(hidden, cos, positions)]
+
+    same = [torch.arange(t), torch.arange(t)]
+    bs = batches(same)
+    args = [(b.args, b.kwargs) for b in bs]
+    pick = [(0, 1), (1, 0), (1, 1)]
+    (x, a, kw, y, share), = list(_step_batches(pick, bs, None, targets, args))
+    assert share == 1.0 and x.shape[0] == 3
+    assert torch.equal(x, torch.cat([hidden[0][1:], hidden[1]]))
+    assert torch.equal(a[0][0], torch.cat([cos[0][1:], cos[1]])) and torch.equal(a[0][1], a[0][0] + 1)
+    assert torch.equal(y, 2 * x) and torch.equal(kw["cache_position"], same[0])
+    # Extra inputs that differ between batches and are not per sample: one batch each.
+    bs = batches([torch.arange(t), torch.arange(t) + 1])
+    parts = list(_step_batches(pick, bs, None, targets, [(b.args, b.kwargs) for b in bs]))
+    assert [p[4] for p in parts] == [1 / 3, 2 / 3]
+    assert [p[0].shape[0] for p in parts] == [1, 2] and torch.equal(parts[0][1][0][0], cos[0][1:])

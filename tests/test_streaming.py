@@ -68,7 +68,8 @@ def _recipe(model: Path, method: str = "gptq", streaming: bool | str = False, sa
     return parse_recipe({
         "version": 1, "model": str(model),
         "calibration": {"samples": samples, "seqlen": 64, "batch_size": 2, "streaming": streaming},
-        "stages": [{"type": method, "scheme": {"bits": 4, "group_size": 32}}],
+        "stages": [{"type": method, "scheme": {"bits": 4, "group_size": 32},
+                    **({"iters": 20} if method == "signround" else {})}],
         "evaluation": {"seqlen": 64, "windows": 3},
         "export": {"format": "compressed-tensors", "max_shard_size": "2MB"},  # several shards
     })
@@ -86,7 +87,7 @@ def runs(tiny_dir, tmp_path_factory) -> dict:
     """Uninterrupted runs, in memory and streaming, for each method: {(method, mode): (dir, report)}."""
     root = tmp_path_factory.mktemp("runs")
     out = {}
-    for method in ("gptq", "rtn", "awq"):
+    for method in ("gptq", "rtn", "awq", "signround"):
         for mode in ("memory", "stream"):
             path = root / f"{method}-{mode}"
             out[method, mode] = (path, run_recipe(_recipe(tiny_dir, method, mode == "stream"), path))
@@ -142,7 +143,7 @@ def test_layer_major_perplexity_equals_the_whole_model(arch, tmp_path):
 # --- streaming compression ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("method", ["gptq", "rtn", "awq"])
+@pytest.mark.parametrize("method", ["gptq", "rtn", "awq", "signround"])
 def test_streamed_checkpoint_is_the_in_memory_one(runs, method):
     (mem, a), (stream, b) = runs[method, "memory"], runs[method, "stream"]
     assert len(list(mem.glob("model-*.safetensors"))) > 1

@@ -29,7 +29,7 @@ the method's (:mod:`optc.methods.signround`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -181,8 +181,3 @@ def requires_grad_(r: Rounding, clip: bool = True) -> Rounding:
     for t in (r.alpha, r.beta):
         t.requires_grad_(clip)
     return r
-
-
-def detached(r: Rounding) -> Rounding:
-    """A copy without gradients (for tests and checkpoints of the best iterate)."""
-    return replace(r, V=r.V.detach().clone(), alpha=r.alpha.detach().clone(), beta=r.beta.detach().clone())

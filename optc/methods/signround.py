@@ -124,7 +124,8 @@ def check_trainable(step: LayerStep, names: list[str]) -> None:
             w.requires_grad_(True)
             w.grad = None
         try:
-            out = step.layer(_plain(b.hidden[:1]), *_plain(b.args), **_plain(b.kwargs))
+            a, kw = _take(_plain((b.args, b.kwargs)), [0], b.hidden.shape[0])
+            out = step.layer(_plain(b.hidden[:1]), *a, **kw)
             out = out[0] if isinstance(out, tuple) else out
             if out.requires_grad:
                 out.float().sum().backward()
@@ -241,9 +242,8 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         check_trainable(step, names)
         # The float layer's outputs: the targets, and the next layer's float inputs.
         targets = step.outputs(float_hidden)
-        inputs = float_hidden if cfg.inputs == "float" else None
-        if inputs is None:
-            float_hidden[:] = targets
+        inputs = list(float_hidden) if cfg.inputs == "float" else None
+        float_hidden[:] = targets
         weights = {n: weight_2d(step.linears[n]).detach().float().clone() for n in names}
 
         need_h = cfg.start == "gptq" or cfg.refit_scales or cfg.observer == "mse"
@@ -286,6 +286,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step.index)
         device_type = step.batches[0].hidden.device.type
         amp = torch.autocast(device_type, dtype=dtype) if dtype is not None else None
+
         def quantized() -> dict[str, torch.Tensor]:
             w_hat = {}
             for n in names:
@@ -307,7 +308,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
 
         # The best iterate is chosen on fixed samples, every few steps: each step's own loss is on
         # other samples, whose spread (about 10% on the default model) exceeds what a step gains.
-        held = [where[j] for j in torch.linspace(0, samples - 1, min(samples, 2 * cfg.batch)).round().long().unique()]
+        fixed = [where[j] for j in torch.linspace(0, samples - 1, min(samples, 2 * cfg.batch)).round().long().unique()]
         check_every = max(10, iters // 10)
 
         def check(t: int) -> None:
@@ -316,8 +317,8 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
                 w_hat = quantized()
                 overrides = {rel[n]: (sr.as_weight(w_hat[n], weights[n].shape[1]).t() if n in conv
                                       else sr.as_weight(w_hat[n], weights[n].shape[1])) for n in names}
-                value = loss_on(held, overrides, backward=False)
-            log.debug("signround %s step %d: held-out loss %.5g", step.name, t, value)
+                value = loss_on(fixed, overrides, backward=False)
+            log.debug("signround %s step %d: loss on the fixed samples %.5g", step.name, t, value)
             if value < best:
                 best, best_state = value, {n: st.snapshot() for n, st in states.items()}
 
@@ -359,7 +360,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
             per_module[name] = record_quantized(ws, name, module, w_hat.to(weight_2d(module).dtype), p)
         del targets
         seconds = time.perf_counter() - t0
-        log.info("signround %s: held-out loss %.4g -> %.4g in %.1f s (%.1f s of %d steps)", step.name, first,
+        log.info("signround %s: loss %.4g -> %.4g (fixed samples) in %.1f s (%.1f s of %d steps)", step.name, first,
                  best, seconds, train_seconds, iters)
         return {"signround_loss": [round(first, 8), round(best, 8)], "signround_seconds": round(seconds, 2),
                 "signround_train_seconds": round(train_seconds, 2)}

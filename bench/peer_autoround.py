@@ -1,0 +1,63 @@
+"""The optimized-rounding peer, measured on the host at hand: Intel's AutoRound on the fixed
+protocol (W4 sym group 64 by default, 128 x 512 WikiText-2 validation tokens, `lm_head`
+unquantized), start to written compressed-tensors checkpoint.
+
+Runs in its own venv (AutoRound pins its own transformers); optc is not imported, so the default
+model is read from the float checkpoint optc converts it to (run `make demo` or any optc command
+once first). Usage, timing the whole process:
+
+    python3 -m venv .venv-ar && .venv-ar/bin/pip install torch==2.13.0 'auto-round==0.16.1'
+    /usr/bin/time -v .venv-ar/bin/python bench/peer_autoround.py out/peer-round [--light] [--bits 3 --asym]
+
+Without flags, its defaults (200 iterations at learning rate 1/iters, batch 8); ``--light`` is
+its light preset (50 iterations at 5e-3). The checkpoint is evaluated like optc's:
+`python bench/hf_ppl.py out/peer-round ../shared/data/wikitext-2-raw-test.txt`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from auto_round import AutoRound
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = Path(os.environ.get("OPTC_DATA", ROOT.parent / "shared" / "data"))
+MODEL = Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc")) / "models" / "smollm2-135m"
+SAMPLES, SEQLEN = 128, 512
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("output")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--asym", action="store_true", help="a zero point per group (default symmetric)")
+    ap.add_argument("--light", action="store_true", help="its light preset: 50 iterations at lr 5e-3")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--no-compile", action="store_true", help="pass enable_torch_compile=False")
+    args = ap.parse_args()
+
+    tok = AutoTokenizer.from_pretrained(MODEL)
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
+    ids = tok(DATA.joinpath("wikitext-2-valid.txt").read_text(), return_tensors="pt").input_ids[0]
+    # The same calibration tokens as optc's fixed protocol: the first 128 non-overlapping chunks.
+    chunks = list(ids[: SAMPLES * SEQLEN].view(SAMPLES, 1, SEQLEN))
+    iters = args.iters if args.iters is not None else (50 if args.light else 200)
+    options = {"lr": 5e-3} if args.light and args.iters is None else {}
+    if args.no_compile:
+        options["enable_torch_compile"] = False
+    ar = AutoRound(
+        model, tokenizer=tok, bits=args.bits, group_size=args.group_size, sym=not args.asym, iters=iters,
+        dataset=chunks, nsamples=SAMPLES, seqlen=SEQLEN, batch_size=8, device_map="cpu", **options,
+    )
+    # lm_head stays unquantized: AutoRound's default (quant_lm_head=False), as in optc's recipes.
+    ar.quantize_and_save(args.output, format="llm_compressor")
+    tok.save_pretrained(args.output)
+
+
+if __name__ == "__main__":
+    main()
