@@ -10,8 +10,9 @@ once first). Usage, timing the whole process:
     /usr/bin/time -v .venv-ar/bin/python bench/peer_autoround.py out/peer-round [--light] [--bits 3 --asym]
 
 Without flags, its defaults (200 iterations at learning rate 1/iters, batch 8); ``--light`` is
-its light preset (50 iterations at 5e-3). The checkpoint is evaluated like optc's:
-`python bench/hf_ppl.py out/peer-round ../shared/data/wikitext-2-raw-test.txt`.
+its light preset (50 iterations at 5e-3). AutoRound writes the compressed-tensors checkpoint one
+folder down (``out/peer-round/smollm2-135m-w4g64``); it is evaluated like optc's:
+`python bench/hf_ppl.py out/peer-round/smollm2-135m-w4g64 ../shared/data/wikitext-2-raw-test.txt`.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def main() -> None:
     )
     # lm_head stays unquantized: AutoRound's default (quant_lm_head=False), as in optc's recipes.
     ar.quantize_and_save(args.output, format="llm_compressor")
-    tok.save_pretrained(args.output)
+    # AutoRound writes the checkpoint (tokenizer included) one folder down, named after the model.
+    written = [p.parent for p in Path(args.output).glob("*/config.json")]
+    print(f"wrote {', '.join(map(str, written))}")
 
 
 if __name__ == "__main__":

@@ -253,12 +253,17 @@ class LayerStep:
         return [_call_layer(self.layer, b, self.autocast) for b in self.batches]
 
     @torch.no_grad()
-    def outputs(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This layer's outputs on other inputs (one per batch, e.g. the float model's), as
-        normal tensors rather than inference ones: a method may train against them."""
+    def advance_other(self, hiddens: list[torch.Tensor]) -> None:
+        """Replace another stream's activations (one per batch, e.g. the float model's) by this
+        layer's outputs on them, into the same buffers, as :meth:`advance` does. Under no_grad
+        rather than inference mode, so a method may train against them."""
         self.forwards += 1
-        return [_call_layer(self.layer, Batch(h, b.args, b.kwargs), self.autocast)
-                for h, b in zip(hiddens, self.batches)]
+        for i, (h, b) in enumerate(zip(hiddens, self.batches)):
+            out = _call_layer(self.layer, Batch(h, b.args, b.kwargs), self.autocast)
+            if out.shape == h.shape:
+                h.copy_(out)
+            else:
+                hiddens[i] = out
 
 
 Solver = Callable[[LayerStep], dict]
