@@ -10,7 +10,9 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from optc.compress import signround as sr
-from optc.compress.quant import QuantParams, QuantScheme, compute_qparams, dequantize, fake_quantize, quantize
+from optc.compress.quant import (
+    QuantParams, QuantScheme, compute_qparams, dequantize, fake_quantize, group_view, quantize,
+)
 from optc.errors import OptcError
 from optc.export.ct_pack import read_pack_quantized, write_pack_quantized
 from optc.export.reading import load_dequantized
@@ -60,7 +62,7 @@ def test_signed_steps_stay_in_bounds_and_codes_stay_on_the_grid(scheme):
     w = _weight(seed=3)
     r = sr.requires_grad_(sr.init_rounding(w, scheme, compute_qparams(w, scheme, clip=0.9),
                                            quantize(w, compute_qparams(w, scheme, clip=0.9)).int()))
-    w3 = sr._group_view(w, scheme)
+    w3 = group_view(w, scheme.group_size)
     target = torch.randn(w.shape[1], 5, generator=torch.Generator().manual_seed(4))
     for t in range(40):
         out = sr.as_weight(sr.quantize_dequantize(w3, r, scheme), w.shape[1]) @ target
@@ -84,7 +86,7 @@ def test_the_best_iterate_beats_round_to_nearest():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(256, 8, generator=g) @ torch.randn(8, 64, generator=g) + 0.1 * torch.randn(256, 64, generator=g)
     r = sr.requires_grad_(sr.init_rounding(w, scheme))
-    w3 = sr._group_view(w, scheme)
+    w3 = group_view(w, scheme.group_size)
     losses = []
     for t in range(100):
         loss = (x @ sr.as_weight(sr.quantize_dequantize(w3, r, scheme), 64).t() - x @ w.t()).pow(2).mean()

@@ -25,7 +25,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from optc.model.anatomy import weight_2d
-from optc.compress.quant import QuantScheme, compute_qparams, fake_quantize
+from optc.compress.quant import QuantScheme, compute_qparams, fake_quantize, group_view
 from optc.errors import OptcError
 
 log = logging.getLogger(__name__)
@@ -43,17 +43,6 @@ class AWQScaleResult:
     loss_no_scale: float  # output MSE of plain RTN (s = 1)
     # per weight: awq_search_clip's ranges for W s, where the search computed them (else None)
     clip: list[torch.Tensor | None] | None = None
-
-
-def _group_view(t: torch.Tensor, group_size: int | None) -> torch.Tensor:
-    """``[..., K]`` -> ``[..., G, g]``, zero-padding a short last group."""
-    k = t.shape[-1]
-    g = k if group_size is None else group_size
-    groups = math.ceil(k / g)
-    pad = groups * g - k
-    # Zero columns add nothing to abs-max, dot products or squared errors.
-    t = nn.functional.pad(t, (0, pad)) if pad else t
-    return t.reshape(*t.shape[:-1], groups, g)
 
 
 def gram(X: torch.Tensor) -> torch.Tensor:
@@ -101,7 +90,8 @@ def awq_search_scale(
     x_mean = x_mean.float().to(G.device)
     # w_mean: |W| normalised by each (row, group)'s max, then averaged over rows; the
     # reference code's measure of how salient each input channel is to the weights.
-    aw = _group_view(w.abs(), scheme.group_size)
+    # Zero columns add nothing to abs-max, dot products or squared errors.
+    aw = group_view(w.abs(), scheme.group_size)
     w_mean = (aw / (aw.amax(dim=-1, keepdim=True) + 1e-6)).flatten(1)[:, : w.shape[1]].mean(0)
 
     def loss_of(s: torch.Tensor, with_clip: bool) -> tuple[float, list[torch.Tensor | None]]:
@@ -190,7 +180,7 @@ def awq_search_clip(
 
     def group_err(clip: float) -> torch.Tensor:
         d = w - fake_quantize(w, compute_qparams(w, scheme, clip=clip))
-        dg = _group_view(d, scheme.group_size).transpose(0, 1)  # [G, N, g]
+        dg = group_view(d, scheme.group_size).transpose(0, 1)  # [G, N, g]
         return ((dg @ h) * dg).sum(-1).T  # [N, G]
 
     best_err = group_err(1.0)

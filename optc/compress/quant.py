@@ -47,20 +47,22 @@ def default_g_idx(in_features: int, scheme: QuantScheme) -> torch.Tensor:
     return torch.arange(in_features, dtype=torch.int32) // scheme.group_size
 
 
+def group_view(t: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """``[..., K]`` -> ``[..., G, g]``, zero-padding a short last group (``group_size`` None: one
+    group of all K)."""
+    k = t.shape[-1]
+    g = k if group_size is None else group_size
+    groups = math.ceil(k / g)
+    pad = groups * g - k
+    t = torch.nn.functional.pad(t, (0, pad)) if pad else t
+    return t.reshape(*t.shape[:-1], groups, g)
+
+
 def _grouped_minmax(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-(row, group) min and max, with 0 always inside the range ([N, G] each)."""
-    n, k = w.shape
-    if scheme.group_size is None:
-        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
-    else:
-        g = scheme.group_size
-        groups = math.ceil(k / g)
-        pad = groups * g - k
-        # Zero padding cannot change the result because 0 is forced into every range below.
-        wp = torch.nn.functional.pad(w, (0, pad)) if pad else w
-        wp = wp.reshape(n, groups, g)
-        lo, hi = wp.amin(dim=2), wp.amax(dim=2)
-    return lo.clamp(max=0), hi.clamp(min=0)
+    # Zero padding cannot change the result because 0 is forced into every range below.
+    wp = group_view(w, scheme.group_size)
+    return wp.amin(dim=2).clamp(max=0), wp.amax(dim=2).clamp(min=0)
 
 
 def params_from_range(

@@ -28,12 +28,11 @@ the method's (:mod:`optc.methods.signround`).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from optc.compress.quant import QuantParams, QuantScheme, _grouped_minmax, default_g_idx
+from optc.compress.quant import QuantParams, QuantScheme, _grouped_minmax, default_g_idx, group_view
 
 # The farthest from its code a start anchor sits (code units): V = 0 must round to the start code
 # itself, and 0.5 exactly would be a tie.
@@ -66,15 +65,6 @@ class Rounding:
                 t.copy_(s)
 
 
-def _group_view(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """``w`` ([N, K]) zero-padded to whole groups, as [N, G, g]."""
-    n, k = w.shape
-    g = k if scheme.group_size is None else scheme.group_size
-    groups = math.ceil(k / g)
-    pad = groups * g - k
-    return (torch.nn.functional.pad(w, (0, pad)) if pad else w).reshape(n, groups, g)
-
-
 def _range_of(p: QuantParams) -> tuple[torch.Tensor, torch.Tensor]:
     """The [lo, hi] range whose grid is ``p`` (inverse of ``params_from_range``)."""
     s, z = p.scale.float(), p.zero.float()
@@ -94,7 +84,7 @@ def init_rounding(
     if scheme.type != "float" and start is not None and not torch.equal(
             start.g_idx.cpu(), default_g_idx(w.shape[1], scheme)):
         raise ValueError("optimized rounding starts from contiguous groups (no act-order permutation)")
-    w3 = _group_view(w.float(), scheme)
+    w3 = group_view(w.float(), scheme.group_size)
     lo_mm, hi_mm = _grouped_minmax(w.float(), scheme)
     n, groups, _ = w3.shape
     ones = torch.ones(n, groups, dtype=torch.float32, device=w.device)
@@ -107,7 +97,7 @@ def init_rounding(
         upper = grow.clamp(1.0, 2.0)
         s3 = start.scale.float()[..., None]
         u = w3 / s3  # the start grid's real-valued code, zero point excluded
-        c = _group_view(start_codes.float(), scheme) - start.zero.float()[..., None]
+        c = group_view(start_codes.float(), scheme.group_size) - start.zero.float()[..., None]
         e = u - c
         # Mirrored into the start code's cell: as far inside it as u is outside it.
         offset = c + e.sign() * torch.minimum(e.abs(), (1 - e.abs()).clamp(0, _CELL)) - u
@@ -167,7 +157,7 @@ def finish(w: torch.Tensor, r: Rounding, scheme: QuantScheme) -> tuple[torch.Ten
     """The fake-quantized weight ([N, K], float32) and its grid for the current state: codes
     exact on the grid, so every exporter holds them without re-rounding."""
     with torch.no_grad():
-        w3 = _group_view(w.float(), scheme)
+        w3 = group_view(w.float(), scheme.group_size)
         s, z = grid(r, scheme)
         w_hat = as_weight(quantize_dequantize(w3, r, scheme), w.shape[1])
     # An all-zero group's codes are 0 on any grid: it stores the scale 1, as min-max grids do.

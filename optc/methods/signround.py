@@ -223,7 +223,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
     from optc.calibrate.hessian import HessianAccumulator
     from optc.compress import signround as sr
     from optc.compress.gptq import refit_scales
-    from optc.compress.quant import choose_qparams, quantize
+    from optc.compress.quant import choose_qparams, group_view, quantize
     from optc.memory import limit_fragmentation
     from optc.methods.common import record_quantized, run_calibration
     from optc.methods.gptq import solve_gptq
@@ -277,8 +277,8 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         del hessians
         for st in states.values():
             sr.requires_grad_(st, cfg.learns_clip())
-        w3 = {n: sr._group_view(weights[n], cfg.scheme_for(n)) for n in names}
-        masks = {n: sr._group_view(ws.masks[n].float(), cfg.scheme_for(n)) for n in names if n in ws.masks}
+        w3 = {n: group_view(weights[n], cfg.scheme_for(n).group_size) for n in names}
+        masks = {n: group_view(ws.masks[n].float(), cfg.scheme_for(n).group_size) for n in names if n in ws.masks}
 
         rel = {n: n[len(step.name) + 1:] + ".weight" for n in names}
         conv = {n for n in names if isinstance(step.linears[n], Conv1D)}
