@@ -237,14 +237,17 @@ class LayerStep:
         one extra batch of activations is alive."""
         self.forwards += 1
         for b in self.batches:
-            out = _call_layer(self.layer, b, self.autocast)
-            if out.shape == b.hidden.shape:
-                # Into the same buffer: allocating each new output while the old inputs are
-                # freed one by one fragments the heap, which held up to twice the calibration
-                # activations (150 MB more at the protocol's 128 x 512 tokens).
-                b.hidden.copy_(out)
-            else:
-                b.hidden = out
+            b.hidden = self._output_into(b.hidden, b)
+
+    def _output_into(self, hidden: torch.Tensor, b: Batch) -> torch.Tensor:
+        """This layer's output on ``hidden`` (with ``b``'s other inputs), written into
+        ``hidden`` itself when the shapes agree: allocating each new output while the old inputs
+        are freed one by one fragments the heap, which held up to twice the calibration
+        activations (150 MB more at the protocol's 128 x 512 tokens)."""
+        out = _call_layer(self.layer, Batch(hidden, b.args, b.kwargs), self.autocast)
+        if out.shape == hidden.shape:
+            return hidden.copy_(out)
+        return out
 
     @torch.inference_mode()
     def run(self) -> list[torch.Tensor]:
@@ -259,11 +262,7 @@ class LayerStep:
         rather than inference mode, so a method may train against them."""
         self.forwards += 1
         for i, (h, b) in enumerate(zip(hiddens, self.batches)):
-            out = _call_layer(self.layer, Batch(h, b.args, b.kwargs), self.autocast)
-            if out.shape == h.shape:
-                h.copy_(out)
-            else:
-                hiddens[i] = out
+            hiddens[i] = self._output_into(h, b)
 
 
 Solver = Callable[[LayerStep], dict]
