@@ -121,7 +121,6 @@ def check_trainable(step: LayerStep, names: list[str]) -> None:
     import torch
 
     from optc.errors import OptcError
-    from optc.model.anatomy import weight_2d
 
     b = step.batches[0]
     weights = {n: step.linears[n].weight for n in names}
@@ -306,6 +305,10 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
                 w_hat[n] = w * masks[n] if n in masks else w
             return w_hat
 
+        def overrides_of(w2d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            """The layer's parameters to replace by ``[N, K]`` weights (a Conv1D stores ``[K, N]``)."""
+            return {rel[n]: (w.t() if n in conv else w) for n, w in w2d.items()}
+
         def loss_on(pick, overrides, backward: bool) -> float:
             total = 0.0
             for x, a, kw, target, share in _step_batches(pick, step.batches, inputs, targets, args):
@@ -327,8 +330,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
             nonlocal best, best_state
             with torch.no_grad():
                 w_hat = quantized()
-                overrides = {rel[n]: (sr.as_weight(w_hat[n], weights[n].shape[1]).t() if n in conv
-                                      else sr.as_weight(w_hat[n], weights[n].shape[1])) for n in names}
+                overrides = overrides_of({n: sr.as_weight(w_hat[n], weights[n].shape[1]) for n in names})
                 value = loss_on(fixed, overrides, backward=False)
             log.debug("signround %s step %d: loss on the fixed samples %.5g", step.name, t, value)
             if value < best:
@@ -342,7 +344,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
             for t in range(iters):
                 w_hat = quantized()
                 leaves = {n: sr.as_weight(w_hat[n], weights[n].shape[1]).detach().requires_grad_(True) for n in names}
-                overrides = {rel[n]: (leaves[n].t() if n in conv else leaves[n]) for n in names}
+                overrides = overrides_of(leaves)
                 pick = [where[j] for j in torch.randperm(samples, generator=gen)[:per_step].tolist()]
                 with torch.enable_grad():
                     loss_on(pick, overrides, backward=True)
