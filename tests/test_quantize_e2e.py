@@ -28,7 +28,7 @@ def _quantize(model, method: str, ids: torch.Tensor, **extra) -> Workspace:
     return ws
 
 
-def _logit_error(model, ref_logits: torch.Tensor, ids: torch.Tensor) -> float:
+def logit_error(model, ref_logits: torch.Tensor, ids: torch.Tensor) -> float:
     with torch.no_grad():
         return float((model(ids).logits - ref_logits).pow(2).mean())
 
@@ -44,7 +44,7 @@ def test_calibrated_methods_beat_rtn(arch):
         model = copy.deepcopy(base)
         ws = _quantize(model, method, ids)
         assert set(ws.qparams) == set(select_linears(model, [".*"], ["lm_head"]))
-        errors[method] = _logit_error(model, ref, ids)
+        errors[method] = logit_error(model, ref, ids)
     assert errors["gptq"] < errors["rtn"], errors
     assert errors["awq"] < errors["rtn"], errors
 
@@ -55,15 +55,21 @@ def test_gptq_checkpoint_reloads_in_transformers(arch, groups, tmp_path):
     ids = tiny_tokens(8, 64)
     model = tiny_model(arch)
     ws = _quantize(model, "gptq", ids, actorder=True, groups=groups)
-    write_pack_quantized(model, ws.qparams, tmp_path)
+    assert_pack_quantized_reloads(model, ws.qparams, ids, tmp_path)
+
+
+def assert_pack_quantized_reloads(model, qparams: dict, ids: torch.Tensor, path) -> None:
+    """The pack-quantized checkpoint of ``model`` gives its logits in plain transformers and
+    through optc's reader, which finds the same quantized Linears."""
+    write_pack_quantized(model, qparams, path)
     with torch.no_grad():
         ours = model(ids).logits
-        theirs = AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits
-        own, qparams = load_dequantized(tmp_path, torch.float32, read_pack_quantized)
+        theirs = AutoModelForCausalLM.from_pretrained(path)(ids).logits
+        own, read = load_dequantized(path, torch.float32, read_pack_quantized)
         again = own(ids).logits
     assert (ours - theirs).abs().max() < 1e-4
     assert (ours - again).abs().max() < 1e-5
-    assert set(qparams) == set(ws.qparams)
+    assert set(read) == set(qparams)
 
 
 def test_gpt2_conv1d_dense_export_reloads(tmp_path):
@@ -152,10 +158,10 @@ def test_bfloat16_autocast_calibration_close_to_float():
         ws._ids = ids
         cfg_cls, fn = METHODS["gptq"].config, METHODS["gptq"].run
         fn(ws, cfg_cls.model_validate({"type": "gptq", "scheme": {"bits": 3, "group_size": 32}}))
-        errors[autocast] = _logit_error(model, ref, ids)
+        errors[autocast] = logit_error(model, ref, ids)
     rtn = copy.deepcopy(base)
     _quantize(rtn, "rtn", ids)
-    assert errors["bfloat16"] < _logit_error(rtn, ref, ids)
+    assert errors["bfloat16"] < logit_error(rtn, ref, ids)
     assert errors["bfloat16"] < 1.5 * errors["off"]
 
 

@@ -7,14 +7,14 @@ import copy
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import AutoModelForCausalLM
+from test_quantize_e2e import assert_pack_quantized_reloads, logit_error
 
 from optc.compress import signround as sr
 from optc.compress.quant import (
     QuantParams, QuantScheme, compute_qparams, dequantize, fake_quantize, group_view, quantize,
 )
 from optc.errors import OptcError
-from optc.export.ct_pack import read_pack_quantized, write_pack_quantized
+from optc.export.ct_pack import read_pack_quantized
 from optc.export.reading import load_dequantized
 from optc.methods import METHODS, Workspace
 from optc.methods.signround import SignRoundStage
@@ -104,11 +104,6 @@ def _quantize(model, ids, **extra) -> tuple[Workspace, dict]:
     return ws, m.run(ws, cfg)
 
 
-def _logit_error(model, ref, ids) -> float:
-    with torch.no_grad():
-        return float((model(ids).logits - ref).pow(2).mean())
-
-
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_signround_beats_gptq_and_its_checkpoint_reloads(arch, tmp_path):
     ids = tiny_tokens(16, 64)
@@ -120,21 +115,13 @@ def test_signround_beats_gptq_and_its_checkpoint_reloads(arch, tmp_path):
                         "signround": {"iters": 40, "batch": 16}}.items():
         model = copy.deepcopy(base)
         ws, stats = _quantize(model, ids, **extra)
-        errors[name] = _logit_error(model, ref, ids)
+        errors[name] = logit_error(model, ref, ids)
     assert errors["signround"] < errors["gptq"] < errors["rtn"], errors
     for layer in stats["layers"]:
         first, best = layer["signround_loss"]
         assert best <= first and layer["signround_seconds"] > 0
     if arch == "llama":
-        write_pack_quantized(model, ws.qparams, tmp_path)
-        with torch.no_grad():
-            ours = model(ids).logits
-            theirs = AutoModelForCausalLM.from_pretrained(tmp_path)(ids).logits
-            own, qparams = load_dequantized(tmp_path, torch.float32, read_pack_quantized)
-            again = own(ids).logits
-        assert (ours - theirs).abs().max() < 1e-4
-        assert (ours - again).abs().max() < 1e-5
-        assert set(qparams) == set(ws.qparams)
+        assert_pack_quantized_reloads(model, ws.qparams, ids, tmp_path)
 
 
 def test_rtn_start_and_float_inputs_run():
@@ -147,7 +134,7 @@ def test_rtn_start_and_float_inputs_run():
     for extra in ({"start": "rtn", "observer": "minmax", "refit_scales": False}, {"start": "rtn"}, {"inputs": "float", "clip": True}):
         model = copy.deepcopy(base)
         _quantize(model, ids, iters=20, **extra)
-        assert _logit_error(model, ref, ids) < _logit_error(rtn, ref, ids), extra
+        assert logit_error(model, ref, ids) < logit_error(rtn, ref, ids), extra
 
 
 def test_presets_and_schedule():
@@ -219,7 +206,7 @@ def test_steps_draw_across_multi_sample_batches():
     METHODS["signround"].run(ws, cfg)
     rtn = copy.deepcopy(base)
     _quantize(rtn, ids, type="rtn")
-    assert _logit_error(model, ref, ids) < _logit_error(rtn, ref, ids)
+    assert logit_error(model, ref, ids) < logit_error(rtn, ref, ids)
 
 
 def test_picked_samples_are_batched_with_their_own_layer_inputs():
