@@ -18,17 +18,10 @@ folder down (``out/peer-round/smollm2-135m-w4g64``); it is evaluated like optc's
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
-import torch
 from auto_round import AutoRound
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("OPTC_DATA", ROOT.parent / "shared" / "data"))
-MODEL = Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc")) / "models" / "smollm2-135m"
-SAMPLES, SEQLEN = 128, 512
+from peer_protocol import SAMPLES, SEQLEN, calibration_chunks, float_model
 
 
 def main() -> None:
@@ -42,11 +35,8 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="pass enable_torch_compile=False")
     args = ap.parse_args()
 
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    ids = tok(DATA.joinpath("wikitext-2-valid.txt").read_text(), return_tensors="pt").input_ids[0]
-    # The same calibration tokens as optc's fixed protocol: the first 128 non-overlapping chunks.
-    chunks = list(ids[: SAMPLES * SEQLEN].view(SAMPLES, 1, SEQLEN))
+    model, tok = float_model()
+    chunks = list(calibration_chunks(tok)[:, None])  # one [1, SEQLEN] batch per sample
     iters = args.iters if args.iters is not None else (50 if args.light else 200)
     options = {"lr": 5e-3} if args.light and args.iters is None else {}
     if args.no_compile:

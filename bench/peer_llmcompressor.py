@@ -16,19 +16,12 @@ without it, its defaults.
 from __future__ import annotations
 
 import argparse
-import os
-from pathlib import Path
 
 import torch
 from datasets import Dataset
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
-DATA = Path(os.environ.get("OPTC_DATA", ROOT.parent / "shared" / "data"))
-MODEL = Path(os.environ.get("OPTC_CACHE", Path.home() / ".cache" / "optc")) / "models" / "smollm2-135m"
-SAMPLES, SEQLEN = 128, 512
+from peer_protocol import SAMPLES, SEQLEN, calibration_chunks, float_model
 
 
 def main() -> None:
@@ -37,10 +30,8 @@ def main() -> None:
     ap.add_argument("--best", action="store_true")
     args = ap.parse_args()
 
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
-    ids = tok(DATA.joinpath("wikitext-2-valid.txt").read_text(), return_tensors="pt").input_ids[0]
-    chunks = ids[: SAMPLES * SEQLEN].view(SAMPLES, SEQLEN)
+    model, tok = float_model()
+    chunks = calibration_chunks(tok)
     data = Dataset.from_dict({"input_ids": chunks.tolist(), "attention_mask": torch.ones_like(chunks).tolist()})
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}
     if args.best:
