@@ -24,7 +24,8 @@ from optc.testing import tiny_model
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
-BUILTIN = ["rtn", "gptq", "awq", "magnitude", "wanda", "sparsegpt", "structured", "smoothquant", "w8a8", "recover"]
+BUILTIN = ["rtn", "gptq", "awq", "signround", "magnitude", "wanda", "sparsegpt", "structured", "smoothquant", "w8a8",
+           "recover"]
 
 
 def _error_line(args: list[str]) -> str:
@@ -55,10 +56,10 @@ def test_builtin_methods_say_what_they_are() -> None:
         assert m.name == name and m.config.model_config["extra"] == "forbid"
         assert m.config.model_fields["type"].annotation == Literal[name]
         assert callable(m.run)
-    assert methods_of_kind("quantize") == ["rtn", "gptq", "awq", "w8a8"]
+    assert methods_of_kind("quantize") == ["rtn", "gptq", "awq", "signround", "w8a8"]
     assert methods_of_kind("prune") == ["magnitude", "wanda", "sparsegpt", "structured"]
     assert methods_of_kind("transform") == ["smoothquant"] and methods_of_kind("recover") == ["recover"]
-    assert [n for n in BUILTIN if METHODS[n].streams] == ["rtn", "gptq", "awq"]
+    assert [n for n in BUILTIN if METHODS[n].streams] == ["rtn", "gptq", "awq", "signround"]
     assert [n for n in BUILTIN if METHODS[n].saves_layers] == ["gptq", "awq"]
     assert "hessian" in METHODS["gptq"].accumulators and METHODS["rtn"].accumulators == ()
     for name in methods_of_kind("quantize"):  # the uniform scheme interface of quantizing configs
@@ -190,7 +191,7 @@ def test_help_lists_the_registry() -> None:
         return {p.opts[0]: p.help or "" for p in cmd.params if p.opts}
 
     q = helps("quantize")
-    assert "rtn, gptq, awq, w8a8" in q["--method"]
+    assert "rtn, gptq, awq, signround, w8a8" in q["--method"]
     assert all("first quantize stage" in q[f] for f in ("--method", "--bits", "--group-size"))
     p = helps("prune")
     assert "magnitude, wanda, sparsegpt" in p["--method"]
