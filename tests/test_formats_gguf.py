@@ -1,14 +1,21 @@
-"""GGUF export (Q4_0, Q8_0, F16): blocks proven by a reference decoder written here from the ggml
-block definitions, by the ``gguf`` package's reader and by transformers' own GGUF loader.
+"""GGUF export (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16): blocks proven by a reference decoder written
+here from the ggml block definitions, by the ``gguf`` package's reader and by transformers' own
+GGUF loader.
 
 Block definitions (ggml ``ggml-common.h``): ``block_q4_0 {ggml_half d; uint8_t qs[16];}`` with
 element ``j`` in the low nibble of ``qs[j]`` and element ``j + 16`` in its high nibble,
-``x = d * (nibble - 8)``; ``block_q8_0 {ggml_half d; int8_t qs[32];}``, ``x = d * q``. llama.cpp's
+``x = d * (nibble - 8)``; ``block_q4_1 {ggml_half d, m; uint8_t qs[16];}``, ``x = d * nibble + m``;
+``block_q5_0 {ggml_half d; uint8_t qh[4]; uint8_t qs[16];}``, the fifth bit of element ``j`` at
+bit ``j`` of the little-endian ``qh``, ``x = d * (u - 16)``; ``block_q5_1 {ggml_half d, m;
+uint8_t qh[4]; uint8_t qs[16];}``, ``x = d * u + m``; ``block_q8_0 {ggml_half d; int8_t qs[32];}``,
+``x = d * q``. llama.cpp's
 converter permutes the rows of ``q_proj``/``k_proj`` per head: ``w.reshape(heads, 2, rows // heads
 // 2, K).swapaxes(1, 2)``.
 """
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -29,7 +36,7 @@ from test_formats_support import (  # noqa: F401 - fixtures
     tiny_tokenizer,
 )
 
-BLOCK_BYTES = {"Q4_0": 18, "Q8_0": 34}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}
 
 
 def ref_decode(raw: np.ndarray, kind: str, k: int) -> torch.Tensor:
@@ -38,14 +45,23 @@ def ref_decode(raw: np.ndarray, kind: str, k: int) -> torch.Tensor:
     size = BLOCK_BYTES[kind]
     for r, row in enumerate(raw):
         for b in range(k // 32):
-            blk = row[b * size : (b + 1) * size]
-            d = float(np.frombuffer(blk[:2].tobytes(), dtype="<f2")[0])
-            if kind == "Q4_0":
-                qs = [int(x) for x in blk[2:]]
-                vals = [(x & 0xF) - 8 for x in qs] + [(x >> 4) - 8 for x in qs]
+            blk = row[b * size : (b + 1) * size].tobytes()
+            half = np.frombuffer(blk[:4], dtype="<f2").astype(np.float32)
+            d, m = float(half[0]), float(half[1])
+            if kind == "Q8_0":
+                vals = [d * v for v in np.frombuffer(blk[2:], dtype=np.int8)]
             else:
-                vals = list(np.frombuffer(blk[2:].tobytes(), dtype=np.int8))
-            out[r, b * 32 : (b + 1) * 32] = [d * v for v in vals]
+                with_min = kind in ("Q4_1", "Q5_1")
+                rest = blk[4:] if with_min else blk[2:]
+                qh = int.from_bytes(rest[:4], "little") if kind.startswith("Q5") else 0
+                qs = rest[4:] if kind.startswith("Q5") else rest
+                us = [x & 0xF for x in qs] + [x >> 4 for x in qs]
+                us = [u | (((qh >> j) & 1) << 4) for j, u in enumerate(us)]
+                offset = 0 if with_min else (16 if kind == "Q5_0" else 8)
+                # float32 arithmetic, as ggml's dequantize computes it
+                vals = [np.float32(d) * np.float32(u - offset) + (np.float32(m) if with_min else np.float32(0))
+                        for u in us]
+            out[r, b * 32 : (b + 1) * 32] = vals
     return torch.from_numpy(out)
 
 
@@ -53,9 +69,16 @@ def llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, w.shape[1]).swapaxes(1, 2).reshape(w.shape)
 
 
-def expected_weight(w: torch.Tensor, p: QuantParams) -> torch.Tensor:
+def expected_weight(w: torch.Tensor, p: QuantParams, with_min: bool = False) -> torch.Tensor:
+    """optc's grid with float16 scales; for a type with a min, ``d * (q - qmin) + m`` with the
+    min ``m = d * (qmin - z)`` rounded to float16 as the block stores it."""
     p16 = QuantParams(p.scheme, p.scale.half().float(), p.zero, p.g_idx)
-    return dequantize(quantize(w, p), p16)
+    if not with_min:
+        return dequantize(quantize(w, p), p16)
+    g = p.g_idx.long()
+    d = p16.scale[:, g]
+    m = (d * (p.scheme.qmin - p.zero[:, g].float())).half().float()
+    return (quantize(w, p).float() - p.scheme.qmin) * d + m
 
 
 def gguf_tensors(path) -> dict:
@@ -104,14 +127,30 @@ def test_q4_0_from_symmetric_4bit_is_exact(tiny_lm, tiny_tokenizer, tiny_ids, tm
     ({"bits": 4, "symmetric": False, "group_size": 32}, "q8_0"),  # q - z in [-15, 15] fits int8
     ({"bits": 8, "symmetric": True, "group_size": None}, "q8_0"),  # per channel: one d for all blocks
     ({"bits": 3, "symmetric": True, "group_size": 128}, "q4_0"),
+    ({"bits": 5, "symmetric": True, "group_size": 32}, "q5_0"),
+    ({"bits": 4, "symmetric": False, "group_size": 64}, "q5_0"),  # q - z in [-15, 15] fits [-16, 15]
+    ({"bits": 4, "symmetric": False, "group_size": 32}, "q4_1"),
+    ({"bits": 4, "symmetric": True, "group_size": 64}, "q4_1"),
+    ({"bits": 5, "symmetric": False, "group_size": 32}, "q5_1"),
+    ({"bits": 3, "symmetric": False, "group_size": 96}, "q5_1"),
 ])
 def test_other_exact_mappings(tiny_lm, tiny_tokenizer, tiny_ids, tmp_path, scheme, qtype) -> None:
+    from gguf import dequantize as gguf_dequantize
+
     model, qparams = quantize_rtn(tiny_lm, tiny_tokenizer, **scheme)
     summary = write_gguf(model, tiny_tokenizer, tmp_path / "m.gguf", qtype, qparams)
     assert summary["modules"] == {"exact": 14}
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
+    with_min = qtype in ("q4_1", "q5_1")
     name = "model.layers.0.mlp.gate_proj"
-    assert torch.equal(reloaded.get_submodule(name).weight, expected_weight(model.get_submodule(name).weight, qparams[name]))
+    want = expected_weight(model.get_submodule(name).weight, qparams[name], with_min)
+    t = gguf_tensors(tmp_path / "m.gguf")["blk.0.ffn_gate.weight"]
+    assert t.tensor_type.name == qtype.upper()
+    raw = np.asarray(t.data).reshape(want.shape[0], -1)
+    assert raw.shape[1] == want.shape[1] // 32 * BLOCK_BYTES[qtype.upper()]
+    assert torch.equal(ref_decode(raw, qtype.upper(), want.shape[1]), want)
+    assert torch.equal(torch.from_numpy(gguf_dequantize(raw, t.tensor_type)).reshape(want.shape), want)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
+    assert torch.equal(reloaded.get_submodule(name).weight, want)
     ref = logits(model, tiny_ids)
     assert (logits(reloaded, tiny_ids) - ref).abs().max() <= fp16_tolerance(ref)
 
@@ -196,3 +235,18 @@ def test_real_model_q4_0_reloads_with_same_logits(default_model, tmp_path) -> No
     assert (logits(reloaded, ids) - ref).abs().max() <= fp16_tolerance(ref)
     name = "model.layers.11.self_attn.q_proj"
     assert torch.equal(reloaded.get_submodule(name).weight, expected_weight(model.get_submodule(name).weight, qparams[name]))
+
+
+@pytest.mark.parametrize(("fmt", "scheme", "reason"), [
+    ("gguf-q4_1", {"bits": 5, "symmetric": False, "group_size": 32}, "need 5-bit integers, Q4_1 blocks hold 4"),
+    ("gguf-q5_0", {"bits": 5, "symmetric": False, "group_size": 32}, r"\[-31, 31\], Q5_0 blocks hold \[-16, 15\]"),
+    ("gguf-q5_1", {"bits": 5, "symmetric": False, "group_size": 16}, "groups of 16 split Q5_1's"),
+    ("gguf-q5_1", {"bits": 5, "symmetric": False, "group_size": 64}, None),
+    ("gguf-q4_1", {"bits": 4, "symmetric": True, "group_size": None}, None),
+])
+def test_schemes_each_block_type_holds_are_known_before_calibration(fmt, scheme, reason) -> None:
+    from optc.compress.quant import QuantScheme
+    from optc.export.formats import FORMATS
+
+    got = FORMATS[fmt].fits(QuantScheme(**scheme), False)
+    assert (got is None) if reason is None else re.search(reason, got), got

@@ -1,19 +1,25 @@
-"""GGUF files for llama.cpp users (Q4_0, Q8_0, F16), written with the ``gguf`` package.
+"""GGUF files for llama.cpp users (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, F16), written with the ``gguf`` package.
 
-Block types (ggml ``ggml-common.h``; gguf-py ``quants.py``, checked against the installed gguf):
+Block types (ggml ``ggml-common.h``; gguf-py ``quants.py``, checked against the installed gguf).
+Each holds 32 consecutive weights of a row (along the input dimension):
 
-- ``Q4_0``: 32 consecutive weights of a row (along the input dimension) per 18-byte block: a
-  float16 ``d``, then 16 bytes where byte ``j`` holds element ``j`` in its low nibble and element
-  ``j + 16`` in its high nibble; ``x = d * (nibble - 8)``.
-- ``Q8_0``: a float16 ``d`` and 32 int8 ``q`` per 34-byte block; ``x = d * q``.
+- ``Q4_0`` (18 bytes): a float16 ``d``, then 16 bytes ``qs`` where byte ``j`` holds element ``j``
+  in its low nibble and element ``j + 16`` in its high nibble; ``x = d * (u - 8)``.
+- ``Q4_1`` (20 bytes): float16 ``d`` and ``m``, then ``qs`` as in Q4_0; ``x = d * u + m``.
+- ``Q5_0`` (22 bytes): float16 ``d``, a little-endian uint32 ``qh`` whose bit ``j`` is the fifth
+  bit of element ``j``, then ``qs`` (the low four bits) as in Q4_0; ``x = d * (u - 16)``.
+- ``Q5_1`` (24 bytes): float16 ``d`` and ``m``, ``qh`` and ``qs`` as in Q5_0; ``x = d * u + m``.
+- ``Q8_0`` (34 bytes): a float16 ``d`` and 32 int8 ``q``; ``x = d * q``.
 
-Mapping optc's grids (``W = (q - z) * s`` per group along the input dimension): when every
-32-weight block lies inside one group and the integers ``q - z`` fit the block type (Q4_0: [-8, 7],
-i.e. symmetric grids of up to 4 bits; Q8_0: [-128, 127], symmetric up to 8 bits or asymmetric up
-to 7), a block is ``d = s`` (rounded to float16) with those integers, and the file computes what
-optc computed. For symmetric 4-bit, optc's ``q`` in [-8, 7] is exactly Q4_0's ``nibble - 8``.
-Otherwise the weights are re-quantized by gguf's reference (round-to-nearest) quantizer, and the
-summary says which modules were.
+Mapping optc's grids (``W = (q - z) * s`` per group along the input dimension, ``q`` in
+``[qmin, qmax]``): every 32-weight block must lie inside one group. The centred types (Q4_0,
+Q5_0, Q8_0) store ``u = q - z + 2^(B-1)``, so they hold a grid whose integers ``q - z`` fit
+``[-2^(B-1), 2^(B-1) - 1]`` (symmetric grids of up to B bits, asymmetric ones of up to B - 1), and
+the file computes what optc computed with ``d = s`` rounded to float16. The types with a min
+(Q4_1, Q5_1) store ``u = q - qmin`` and ``m = d * (qmin - z)``, so they hold any grid of up to B
+bits; their integers are exact and ``m`` is rounded to float16 as the format stores it (a
+relative error of at most 2^-11 of the block's offset). Otherwise the weights are re-quantized
+by gguf's reference (round-to-nearest) quantizer, and the summary says which modules were.
 
 Llama-family layout (llama.cpp ``convert_hf_to_gguf.py``, which transformers' GGUF loader undoes):
 tensor names from ``gguf.get_tensor_name_map``; for ``llama`` the rows of ``q_proj``/``k_proj``
@@ -27,6 +33,7 @@ import functools
 import json
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,11 +52,31 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BLOCK = 32
-# GGUF type name -> (block integer range or None for float, llama.cpp file type)
-GGUF_TYPES: dict[str, tuple[tuple[int, int] | None, int]] = {
-    "q4_0": ((-8, 7), 2),  # LlamaFileType.MOSTLY_Q4_0
-    "q8_0": ((-128, 127), 7),  # LlamaFileType.MOSTLY_Q8_0
-    "f16": (None, 1),  # LlamaFileType.MOSTLY_F16
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """One GGUF type optc writes: ``bits`` per stored integer (None: a float type), whether each
+    block carries a min (``x = d * u + m``) or is centred (``x = d * (u - 2^(bits-1))``), llama.cpp's
+    file type, and the stored bits per weight (block bytes * 8 / 32)."""
+
+    bits: int | None
+    with_min: bool
+    file_type: int  # LlamaFileType.MOSTLY_*
+    stored_bits: float
+
+    def span(self) -> tuple[int, int]:
+        """The integers ``q - z`` a centred type holds."""
+        return -(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1
+
+
+GGUF_TYPES: dict[str, BlockType] = {
+    "q4_0": BlockType(4, False, 2, 4.5),
+    "q4_1": BlockType(4, True, 3, 5.0),
+    "q5_0": BlockType(5, False, 8, 5.5),
+    "q5_1": BlockType(5, True, 9, 6.0),
+    "q8_0": BlockType(8, False, 7, 8.5),
+    "f16": BlockType(None, False, 1, 16.0),
 }
 # HF model_type -> (gguf architecture, permute q/k rows for llama.cpp's rotary layout)
 ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
@@ -58,8 +85,7 @@ ARCHITECTURES = {"llama": ("llama", True), "qwen2": ("qwen2", False)}
 def _ggml_type(qtype: str):
     from gguf import GGMLQuantizationType
 
-    return {"q4_0": GGMLQuantizationType.Q4_0, "q8_0": GGMLQuantizationType.Q8_0,
-            "f16": GGMLQuantizationType.F16}[qtype]
+    return GGMLQuantizationType[qtype.upper()]
 
 
 def check_qtype(qtype: str) -> str:
@@ -69,71 +95,81 @@ def check_qtype(qtype: str) -> str:
     return qtype
 
 
+def _levels_misfit(scheme: QuantScheme, qtype: str) -> str | None:
+    """Why ``qtype``'s blocks cannot hold ``scheme``'s integers, or None when they can."""
+    bt = GGUF_TYPES[qtype]
+    if bt.bits is None:
+        return f"{qtype} is a float type"
+    if bt.with_min:
+        if scheme.bits > bt.bits:
+            return f"{scheme.label()} weights need {scheme.bits}-bit integers, {qtype.upper()} blocks hold {bt.bits}"
+        return None
+    levels = (scheme.qmin, scheme.qmax) if scheme.symmetric else (-(2**scheme.bits - 1), 2**scheme.bits - 1)
+    lo, hi = bt.span()
+    if levels[0] < lo or levels[1] > hi:
+        return (f"{scheme.label()} weights need integers in [{levels[0]}, {levels[1]}], "
+                f"{qtype.upper()} blocks hold [{lo}, {hi}]")
+    return None
+
+
 # --- exact block encoding (pure tensor functions) ---------------------------------------------
 
 
 def block_fit(p: QuantParams, qtype: str) -> str | None:
     """Why ``p``'s grid cannot be stored exactly as ``qtype`` blocks, or None when it can."""
-    span, _ = GGUF_TYPES[check_qtype(qtype)]
-    if span is None:
-        return f"{qtype} is a float type"
-    s = p.scheme
-    levels = (s.qmin, s.qmax) if s.symmetric else (-(2**s.bits - 1), 2**s.bits - 1)
-    if levels[0] < span[0] or levels[1] > span[1]:
-        return (f"{s.label()} weights need integers in [{levels[0]}, {levels[1]}], "
-                f"{qtype.upper()} blocks hold [{span[0]}, {span[1]}]")
+    if reason := _levels_misfit(p.scheme, check_qtype(qtype)):
+        return reason
     k = p.g_idx.numel()
     if k % BLOCK:
         return f"K={k} is not a multiple of {qtype.upper()}'s {BLOCK}-weight blocks"
     runs = p.g_idx.view(-1, BLOCK)
     if bool((runs != runs[:, :1]).any()):
-        return f"groups of {s.group_size} columns split {qtype.upper()}'s {BLOCK}-weight blocks"
+        return f"groups of {p.scheme.group_size} columns split {qtype.upper()}'s {BLOCK}-weight blocks"
     return None
 
 
-def block_codes(w: torch.Tensor, p: QuantParams, name: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block integers ``q - z`` ([N, K] int16) and scales ``d`` ([N, K/32] float16)."""
+def block_codes(w: torch.Tensor, p: QuantParams, qtype: str, name: str = ""
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Stored integers ``u`` ([N, K] uint8), scales ``d`` and, for a type with a min, mins ``m``
+    ([N, K/32] float16) of ``w`` on ``p``'s grid."""
     import torch
 
     from optc.export.packing import grid_codes
 
+    bt = GGUF_TYPES[qtype]
     g_idx = p.g_idx.long()
-    ints = grid_codes(name, w, p).to(torch.int16) - p.zero[:, g_idx].to(torch.int16)
-    d = p.scale[:, g_idx[::BLOCK]].to(torch.float16)
-    return ints, d
+    q = grid_codes(name, w, p).to(torch.int16)
+    first = g_idx[::BLOCK]
+    d = p.scale[:, first].to(torch.float16)
+    if bt.with_min:
+        m = (d.float() * (p.scheme.qmin - p.zero[:, first].float())).to(torch.float16)
+        return (q - p.scheme.qmin).to(torch.uint8), d, m
+    u = q - p.zero[:, g_idx].to(torch.int16) + 2 ** (bt.bits - 1)
+    return u.to(torch.uint8), d, None
 
 
-def encode_blocks(ints: torch.Tensor, d: torch.Tensor, qtype: str) -> np.ndarray:
-    """Raw ``qtype`` blocks ([N, K/32 * block bytes] uint8) of integers ``ints`` and scales ``d``."""
+def encode_blocks(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtype: str) -> np.ndarray:
+    """Raw ``qtype`` blocks ([N, K/32 * block bytes] uint8) of stored integers ``u``, scales ``d``
+    and mins ``m``, laid out as the module docstring says."""
     import torch
 
-    n, k = ints.shape
+    bits = GGUF_TYPES[qtype].bits
+    n, k = u.shape
     nb = k // BLOCK
-    d_bytes = d.contiguous().view(torch.uint8).view(n, nb, 2)
-    if qtype == "q4_0":
-        u = (ints + 8).to(torch.uint8).view(n, nb, BLOCK)
-        qs = u[..., : BLOCK // 2] | (u[..., BLOCK // 2 :] << 4)
-    elif qtype == "q8_0":
-        qs = ints.to(torch.int8).view(n, nb, BLOCK).view(torch.uint8)
+    u = u.view(n, nb, BLOCK)
+    parts = [d.contiguous().view(torch.uint8).view(n, nb, 2)]
+    if m is not None:
+        parts.append(m.contiguous().view(torch.uint8).view(n, nb, 2))
+    if bits == 8:
+        parts.append(u ^ 0x80)  # two's complement bytes of u - 128
     else:
-        raise ValueError(f"{qtype} has no integer blocks")
-    return torch.cat([d_bytes, qs], dim=-1).reshape(n, -1).numpy()
-
-
-def decode_blocks(raw: np.ndarray, qtype: str, k: int) -> np.ndarray:
-    """Float32 weights [N, K] of raw blocks, straight from the block definitions above."""
-    import numpy as np
-
-    n = raw.shape[0]
-    nb = k // BLOCK
-    blocks = raw.reshape(n, nb, -1)
-    d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [N, nb, 1]
-    if qtype == "q4_0":
-        qs = blocks[..., 2:]
-        ints = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int32) - 8
-    else:
-        ints = blocks[..., 2:].copy().view(np.int8).astype(np.int32)
-    return (d * ints).reshape(n, k)
+        if bits == 5:
+            high = ((u >> 4) & 1).view(n, nb, 4, 8)
+            weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8)
+            parts.append((high * weights).sum(-1, dtype=torch.uint8))  # qh, little-endian
+        low = u & 0x0F
+        parts.append(low[..., : BLOCK // 2] | (low[..., BLOCK // 2 :] << 4))
+    return torch.cat(parts, dim=-1).reshape(n, -1).numpy()
 
 
 def permute_rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
@@ -274,7 +310,7 @@ def plan_gguf(src: ExportSource, qtype: str, requantize: bool = False) -> dict[s
     for name in src.linears():
         if name == src.head:
             continue
-        if GGUF_TYPES[qtype][0] is None:
+        if GGUF_TYPES[qtype].bits is None:
             plan[name] = "float"
             continue
         in_features = src.spec(f"{name}.weight")[1][1]
@@ -302,8 +338,8 @@ def plan_gguf(src: ExportSource, qtype: str, requantize: bool = False) -> dict[s
 
 def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: bool = False,
                       embedding_bits: int = 16) -> dict:
-    """Write ``src`` as one GGUF file of type ``qtype`` (``q4_0``, ``q8_0`` or ``f16``), its
-    tokenizer inside.
+    """Write ``src`` as one GGUF file of type ``qtype`` (a key of ``GGUF_TYPES``), its tokenizer
+    inside.
 
     Decoder Linears with an optc grid that fits the block type are stored exactly; float Linears
     are rounded by gguf's reference quantizer (plain round-to-nearest); a grid that does not fit is
@@ -327,7 +363,7 @@ def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: 
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(str(getattr(config, "_name_or_path", "") or "optc model"))
     _add_hparams(writer, config)
-    writer.add_file_type(GGUF_TYPES[qtype][1])
+    writer.add_file_type(GGUF_TYPES[qtype].file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     exact = [n for n, how in plan.items() if how == "exact"]
     writer.add_string("optc.version", optc.__version__)
@@ -404,8 +440,7 @@ def _tensor_data(t: torch.Tensor, how: str | None, qtype: str, p: QuantParams | 
     import numpy as np
 
     if how == "exact":
-        ints, d = block_codes(t, p, name)
-        return encode_blocks(ints, d, qtype), _ggml_type(qtype)
+        return encode_blocks(*block_codes(t, p, qtype, name), qtype), _ggml_type(qtype)
     w = t.detach().float().cpu().numpy()
     if how in ("rounded", "requantized"):
         return gguf.quants.quantize(w, _ggml_type(qtype)), _ggml_type(qtype)
@@ -502,27 +537,20 @@ def _detect(qtype: str, path: Path) -> bool:
         return False
     stat = found.stat()
     file_type = _file_type(str(found), stat.st_mtime_ns, stat.st_size)
-    if file_type == GGUF_TYPES[qtype][1]:
+    if file_type == GGUF_TYPES[qtype].file_type:
         return True
-    return qtype == next(iter(GGUF_TYPES)) and file_type not in {ft for _, ft in GGUF_TYPES.values()}
+    return qtype == next(iter(GGUF_TYPES)) and file_type not in {bt.file_type for bt in GGUF_TYPES.values()}
 
 
 # --- the registry entries ---------------------------------------------------------------------
 
-# Stored bits per decoder weight of each block type (Q4_0: 18 bytes per 32 weights).
-_LINEAR_BITS = {"q4_0": 4.5, "q8_0": 8.5, "f16": 16.0}
-
-
 def _fits(qtype: str, scheme: QuantScheme | None, permuted: bool) -> str | None:
-    span = GGUF_TYPES[qtype][0]
-    if scheme is None or span is None:
+    if scheme is None or GGUF_TYPES[qtype].bits is None:
         return None
     if refusal := integer_grid(scheme, f"GGUF {qtype.upper()}"):
         return refusal
-    levels = (scheme.qmin, scheme.qmax) if scheme.symmetric else (-(2**scheme.bits - 1), 2**scheme.bits - 1)
-    if levels[0] < span[0] or levels[1] > span[1]:
-        return (f"{scheme.label()} needs integers in [{levels[0]}, {levels[1]}], "
-                f"{qtype.upper()} blocks hold [{span[0]}, {span[1]}]")
+    if reason := _levels_misfit(scheme, qtype):
+        return reason
     if scheme.group_size is not None and scheme.group_size % BLOCK:
         return f"groups of {scheme.group_size} split {qtype.upper()}'s {BLOCK}-weight blocks"
     if permuted:
@@ -535,7 +563,7 @@ def _bits_per_weight(qtype: str, scheme: QuantScheme | None, in_features: int) -
         return None
     group = scheme.group_size or in_features
     # An upper bound: the block scales are inside the bits, and a scale and zero per group on top.
-    return _LINEAR_BITS[qtype] + 64 * math.ceil(in_features / group) / in_features
+    return GGUF_TYPES[qtype].stored_bits + 64 * math.ceil(in_features / group) / in_features
 
 
 def _write(qtype: str, src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None,
@@ -547,6 +575,9 @@ def _write(qtype: str, src: ExportSource, directory: Path, *, max_shard_bytes: i
 
 _DESCRIPTIONS = {
     "q4_0": "one GGUF file of Q4_0 blocks (symmetric 4-bit grids in 32-weight blocks kept exactly), loaded by llama.cpp",
+    "q4_1": "one GGUF file of Q4_1 blocks (4-bit grids with a min per 32 weights; codes kept exactly), loaded by llama.cpp",
+    "q5_0": "one GGUF file of Q5_0 blocks (symmetric 5-bit grids in 32-weight blocks kept exactly), loaded by llama.cpp",
+    "q5_1": "one GGUF file of Q5_1 blocks (5-bit grids with a min per 32 weights; codes kept exactly), loaded by llama.cpp",
     "q8_0": "one GGUF file of Q8_0 blocks (8-bit grids in 32-weight blocks kept exactly), loaded by llama.cpp",
     "f16": "one GGUF file of float16 weights, loaded by llama.cpp",
 }
