@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from optc.data import evaluation_tokens
 from optc.export.load import load_checkpoint
 from optc.export.source import ModelSource
 from optc.methods import Workspace
@@ -121,6 +122,14 @@ def main() -> None:
     run([str(args.bin / "llama-perplexity"), "-m", str(files["f16"]), "-f", str(test), "-c", "2048",
          "--chunks", str(args.chunks), *threads, "--kl-divergence-base", str(base)], args.out / "f16.base.log")
     n_ctx, chunks = base_tokens(base)
+    # llama.cpp tokenizes with the file's own vocabulary and pre-tokenizer; optc's evaluation
+    # tokenizes with the tokenizer transformers rebuilt from it.
+    ours = evaluation_tokens(loaded.tokenizer, str(test))[: chunks.size].numpy()
+    theirs = chunks.reshape(-1)[: ours.size]
+    differ = np.flatnonzero(ours != theirs)
+    tokens = (f"optc's tokenizer and llama.cpp's give the same {chunks.size} tokens" if not differ.size
+              else f"optc's tokenizer and llama.cpp's first differ at token {int(differ[0])} of {chunks.size}")
+    print(tokens, flush=True)
     rows, failures = [], []
     for qtype in args.types:
         path = files[qtype]
@@ -156,7 +165,8 @@ def main() -> None:
         lines.append(f"| {r['type']} | {r['bytes'] / 2**20:.1f} | {r['llama_ppl']:.3f} | {r['optc_ppl']:.3f} | "
                      f"{r['mean_kld']:.5f} | {r['kld_99']:.4f} | {r['same_top']:.2f}% | {speed} |")
     table = "\n".join(lines)
-    (args.out / "llama_cpp.md").write_text(table + "\n")
+    table += f"\n\nTokens: {tokens} (WikiText-2 raw test).\n"
+    (args.out / "llama_cpp.md").write_text(table)
     print(table)
     if failures:
         raise SystemExit("perplexity disagrees:\n" + "\n".join(failures))

@@ -450,7 +450,8 @@ def _tensor_data(t: torch.Tensor, how: str | None, qtype: str, p: QuantParams | 
 
 # --- reading what a file holds (optc inspect) -------------------------------------------------
 
-_GGUF_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5}
+_GGUF_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5,
+              "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_NL": 4}
 
 
 def gguf_file(path: Path) -> Path | None:
