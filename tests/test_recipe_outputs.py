@@ -51,14 +51,18 @@ UPDATE = os.environ.get("OPTC_UPDATE_FINGERPRINTS") == "1"
 def _recipe_file(name: str, tmp: Path) -> str:
     """The built-in recipe; a recovery stage gets a two-step budget on four short sequences, and
     optimized rounding ten steps in float32 (its autocast follows the CPU: bfloat16 where it has
-    AMX; and signed steps amplify another CPU's last-bit differences, more the more steps)."""
+    AMX) at a learning rate too small to move a code. Signed steps turn another CPU's last-bit
+    differences into other codes and another best iterate (the w2/w4 round recipes' pins, made
+    on an AVX2 host at their own rates, moved half the Linears by up to 0.27 on an AVX-512 one),
+    so the pin holds the GPTQ start, the scale refit and the layout; tests/test_signround.py
+    holds what the training itself must do."""
     data = yaml.safe_load(builtin_recipes()[name].read_text(encoding="utf-8"))
     recover = [s for s in data["stages"] if s["type"] == "recover"]
     rounding = [s for s in data["stages"] if s["type"] == "signround"]
     if not recover and not rounding:
         return name
     for stage in rounding:
-        stage.update(autocast="off", iters=10)
+        stage.update(autocast="off", iters=10, lr=1e-5)
     for stage in recover:
         stage.pop("max_minutes", None)
         stage.pop("tokens", None)
