@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from optc.compress.kquant import KQuant
     from optc.compress.quant import QuantParams, QuantScheme
 
 log = logging.getLogger(__name__)
@@ -170,6 +171,58 @@ def encode_blocks(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, qtyp
         low = u & 0x0F
         parts.append(low[..., : BLOCK // 2] | (low[..., BLOCK // 2 :] << 4))
     return torch.cat(parts, dim=-1).reshape(n, -1).numpy()
+
+
+def _bits_into(v: torch.Tensor, shift: int) -> torch.Tensor:
+    """Pack ``v`` ([..., P, L] uint8, each < 2^shift) into [..., L] bytes: part ``p`` at bit ``shift * p``."""
+    import torch
+
+    out = torch.zeros(v.shape[:-2] + v.shape[-1:], dtype=torch.uint8)
+    for p in range(v.shape[-2]):
+        out |= v[..., p, :] << (shift * p)
+    return out
+
+
+def encode_kblocks(kq: KQuant) -> np.ndarray:
+    """Raw super-blocks ([N, K/256 * block bytes] uint8) of a k-quant weight, laid out as
+    ggml-common.h's ``block_q{2..6}_K`` (element order as ggml's ``dequantize_row_q*_K``)."""
+    import torch
+
+    from optc.compress.kquant import K_TYPES, QK_K
+
+    kt = K_TYPES[kq.kind]
+    n, k = kq.u.shape
+    nb = k // QK_K
+    u = kq.u.view(n, nb, QK_K)
+    half = lambda t: t.contiguous().view(torch.uint8).view(n, nb, 2)  # noqa: E731 - float16 bytes
+    sc = kq.sc.to(torch.uint8) if kq.kind != "q3_k" else (kq.sc + 32).to(torch.uint8)
+    if kq.kind == "q6_k":
+        ql = _bits_into((u & 0x0F).view(n, nb, 2, 2, 64), 4)  # element h*128 + nib*64 + l
+        qh = _bits_into((u >> 4).view(n, nb, 2, 4, 32), 2)  # element h*128 + sh*32 + l
+        parts = [ql.reshape(n, nb, 128), qh.reshape(n, nb, 64), kq.sc.to(torch.int8).view(torch.uint8), half(kq.d)]
+    elif kt.group == 16:  # Q2_K, Q3_K: 2-bit planes, element h*128 + j*32 + l in byte h*32 + l, bits 2j
+        qs = _bits_into((u & 0x03).view(n, nb, 2, 4, 32), 2).reshape(n, nb, 64)
+        if kq.kind == "q2_k":
+            parts = [sc | (kq.m.to(torch.uint8) << 4), qs, half(kq.d), half(kq.dmin)]
+        else:
+            hmask = _bits_into(((u >> 2) & 1).view(n, nb, 8, 32), 1)  # element j*32 + l: bit j of byte l
+            low = sc & 0x0F
+            packed = torch.cat([low[..., :8] | (low[..., 8:] << 4),
+                                _bits_into((sc >> 4).view(n, nb, 4, 4), 2)], dim=-1)  # scale sh*4 + b: byte 8 + b
+            parts = [hmask, qs, packed, half(kq.d)]
+    else:  # Q4_K, Q5_K: 6-bit scale and min codes in 12 bytes, nibbles of sub-blocks 2c, 2c+1 in bytes c*32 + l
+        m = kq.m.to(torch.uint8)
+        scales = torch.cat([(sc[..., :4] & 63) | ((sc[..., 4:] >> 4) << 6),
+                            (m[..., :4] & 63) | ((m[..., 4:] >> 4) << 6),
+                            (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], dim=-1)
+        qs = _bits_into((u & 0x0F).view(n, nb, 4, 2, 32), 4).reshape(n, nb, 128)
+        parts = [half(kq.d), half(kq.dmin), scales]
+        if kq.kind == "q5_k":
+            parts.append(_bits_into((u >> 4).view(n, nb, 8, 32), 1))  # bit j of byte l: element j*32 + l
+        parts.append(qs)
+    blocks = torch.cat(parts, dim=-1)
+    assert blocks.shape[-1] == kt.block_bytes, (kq.kind, blocks.shape)
+    return blocks.reshape(n, -1).numpy()
 
 
 def permute_rotary_rows(w: np.ndarray, heads: int) -> np.ndarray:
