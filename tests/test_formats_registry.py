@@ -20,7 +20,9 @@ from optc.model.safetensors_io import Lazy
 from test_formats_support import quantize_rtn, tiny_lm, tiny_tokenizer  # noqa: F401 - fixtures
 
 runner = CliRunner()
-BUILTIN = ["dense", "compressed-tensors", "gptq", "awq", "gguf-q4_0", "gguf-q4_1", "gguf-q5_0", "gguf-q5_1", "gguf-q8_0", "gguf-f16"]
+BUILTIN = ["dense", "compressed-tensors", "gptq", "awq", "gguf-q4_0", "gguf-q4_1", "gguf-q5_0", "gguf-q5_1", "gguf-q8_0", "gguf-f16",
+           "gguf-q2_k", "gguf-q3_k_s", "gguf-q3_k_m", "gguf-q3_k_l", "gguf-q4_k_s", "gguf-q4_k_m", "gguf-q5_k_s",
+           "gguf-q5_k_m", "gguf-q6_k"]
 
 
 def test_importing_the_registry_imports_neither_torch_nor_transformers() -> None:

@@ -151,12 +151,18 @@ def export(
         console.print_json(json.dumps(info, default=str))
         return
     console.print(f"wrote [bold]{info['path']}[/] ({info['format']}, {info['bytes'] / 2**20:.1f} MiB) from {info['source']}")
-    for key in ("scheme", "modules"):
+    for key in ("scheme", "modules", "types"):
         if key in info:
             console.print(f"{key}: {info[key]}")
-    for key in ("requantized", "rounded"):
+    for key, what in (("requantized", "grid re-quantized"), ("rounded", "float weights quantized")):
         if info.get(key):
-            console.print(f"[yellow]{key} by gguf's round-to-nearest[/]: {len(info[key])} module(s)")
+            console.print(f"[yellow]{what}[/]: {len(info[key])} module(s)")
+    by_change: dict[str, list[str]] = {}
+    for name, change in (info.get("fallbacks") or {}).items():
+        by_change.setdefault(change, []).append(name)
+    for change, names in by_change.items():  # every name: --json
+        shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
+        console.print(f"[yellow]fallback {change}[/] (rows not whole super-blocks): {shown}")
 
 
 @recipes_app.callback()

