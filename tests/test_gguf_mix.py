@@ -124,3 +124,115 @@ def test_grids_a_mix_type_holds_stay_exact_the_others_are_requantized(wide_lm, t
     # Q5_0 holds a symmetric 5-bit g32 grid; so does Q8_0 (attn_v); k-quant super-blocks do not.
     assert summary["modules"] == {"exact": 12, "requantized": 2}
     assert summary["requantized"] == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+
+
+@pytest.mark.parametrize(("kind", "bits", "symmetric", "group", "mix"), [
+    ("q6_k", 6, True, 16, "q6_k"), ("q3_k", 3, True, 16, "q2_k"), ("q4_k", 4, False, 32, "q4_k_m"),
+    ("q5_k", 5, False, 32, "q5_k_m"), ("q2_k", 2, False, 16, None),
+])
+def test_gptq_on_a_k_quant_grid_is_stored_exactly(wide_lm, tiny_tokenizer, tmp_path, kind, bits, symmetric,
+                                                  group, mix) -> None:
+    """GPTQ's column sweep on the k-quant super-block grid (chosen up front, importance-weighted):
+    the file dequantizes, through the reference decoder and the gguf package, to exactly the
+    weights optc holds."""
+    import copy
+
+    from optc.compress.gptq import gptq_quantize
+    from optc.compress.quant import dequantize, quantize
+    from optc.compress.schemes import QuantScheme
+    from optc.export.gguf_format import block_fit, encode_kblocks, kblock_codes
+    from test_kquant import ref_decode
+
+    scheme = QuantScheme(bits=bits, symmetric=symmetric, group_size=group, scale_format="k-quant")
+    model = copy.deepcopy(wide_lm)
+    name = "model.layers.0.mlp.down_proj"
+    lin = model.get_submodule(name)
+    torch.manual_seed(1)
+    x = torch.randn(512, lin.in_features) * torch.linspace(0.2, 3, lin.in_features)
+    H = 2 * x.T @ x / x.shape[0]
+    res = gptq_quantize(lin.weight.data, H, scheme, name=name)
+    assert torch.equal(dequantize(quantize(res.weight, res.params), res.params), res.weight)  # on its grid
+    rtn = kdequant(kquant(lin.weight.data.float(), kind, torch.diag(H)))
+    out_err = lambda w: float(((w - lin.weight.data) @ x.T).square().sum())  # noqa: E731
+    assert out_err(res.weight) < out_err(rtn)  # GPTQ on the grid it was given beats rounding onto it
+    assert block_fit(res.params, kind) is None
+    want = res.weight.float().numpy()
+    if mix is None:
+        raw = encode_kblocks(kblock_codes(res.weight, res.params, kind))
+    else:
+        lin.weight.data = res.weight
+        summary = write_gguf(model, tiny_tokenizer, tmp_path / "m.gguf", mix, {name: res.params})
+        assert name not in summary["requantized"] and summary["modules"]["exact"] == 1
+        t = _tensors(tmp_path / "m.gguf")["blk.0.ffn_down.weight"]
+        assert t.tensor_type.name == kind.upper()
+        raw = np.asarray(t.data).reshape(lin.out_features, -1)
+    assert np.array_equal(ref_decode(raw, kind), want)
+    assert np.array_equal(gguf.dequantize(raw, gguf.GGMLQuantizationType[kind.upper()]), want)
+
+
+def test_k_quant_offsets_are_refused_where_zero_points_are_integers() -> None:
+    from optc.compress.schemes import QuantScheme
+    from optc.export.formats import FORMATS
+
+    q4k = QuantScheme(bits=4, symmetric=False, group_size=32, scale_format="k-quant")
+    for fmt in ("compressed-tensors", "gptq", "awq", "gguf-q4_1"):
+        assert "offsets" in (FORMATS[fmt].fits(q4k, False) or ""), fmt
+    assert FORMATS["gguf-q4_k_m"].fits(q4k, False) is None
+    with pytest.raises(ValueError, match="k-quant scales come with"):
+        QuantScheme(bits=4, symmetric=True, group_size=32, scale_format="k-quant")
+
+
+@pytest.fixture(scope="module")
+def wide_checkpoint(tmp_path_factory, default_tokenizer):
+    """A tiny Llama directory with the default tokenizer whose ffn_down rows are one super-block."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=len(default_tokenizer), hidden_size=64, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
+                      bos_token_id=default_tokenizer.bos_token_id, eos_token_id=default_tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("wide") / "wide-llama"
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    default_tokenizer.save_pretrained(path)
+    return path
+
+
+def _run_mix(tmp_path, model, stage: dict, fmt: str = "gguf-q4_k_m"):
+    import yaml
+    from typer.testing import CliRunner
+
+    from optc.cli.main import app
+
+    recipe = {"version": 1, "name": "mix", "calibration": {"dataset": "builtin", "samples": 4, "seqlen": 32},
+              "stages": [stage], "export": {"format": fmt}}
+    path = tmp_path / "mix.yaml"
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    out = tmp_path / "out"
+    return out, CliRunner().invoke(app, ["run", str(path), "--model", str(model), "--no-eval", "-q",
+                                         "--output", str(out)])
+
+
+def test_gptq_to_a_mix_calibrates_each_linear_on_its_tensor_type(wide_checkpoint, tmp_path) -> None:
+    import json
+
+    out, result = _run_mix(tmp_path, wide_checkpoint, {"type": "gptq", "ignore": ["lm_head"]})
+    assert result.exit_code == 0, (result.output, result.exception)
+    stage = json.loads((out / "report.json").read_text())["stages"][0]
+    schemes = {n: m["scheme"] for n, m in stage["stats"]["modules"].items()}
+    assert schemes["model.layers.0.mlp.down_proj"] == "q4_k-g32"
+    assert schemes["model.layers.1.mlp.down_proj"] == "q6_k-g16"
+    assert schemes["model.layers.1.self_attn.v_proj"] == "int8-sym-g32"  # Q6_K wanted, Q8_0 stored
+    assert schemes["model.layers.0.self_attn.q_proj"] == "int5-sym-g32"  # Q4_K wanted, Q5_0 stored
+    assert any("grids of gguf-q4_k_m" in n for n in stage["stats"]["notes"])
+    reader = gguf.GGUFReader(str(out / "model-q4_k_m.gguf"))
+    field = reader.fields["optc.exact_modules"]
+    assert int(field.parts[field.data[0]][0]) == 14  # every decoder Linear stored exactly
+    assert {t.name: t.tensor_type.name for t in reader.tensors}["blk.0.ffn_down.weight"] == "Q4_K"
+
+
+def test_a_method_that_cannot_take_the_mix_grids_is_refused_before_calibration(wide_checkpoint, tmp_path) -> None:
+    _, result = _run_mix(tmp_path, wide_checkpoint, {"type": "signround", "ignore": ["lm_head"], "iters": 1})
+    assert result.exit_code != 0
+    assert "signround learns free group scales" in result.output and "q4_k-g32" in result.output, result.output
+    assert "stage 0" not in result.output  # no stage ran

@@ -144,8 +144,9 @@ def gptq_quantize(
     zero = torch.zeros(n, num_groups, dtype=torch.int32, device=dev)
     if groups not in ("static", "lazy", "permuted"):
         raise ValueError(f"unknown GPTQ group mode {groups!r}")
-    static_groups = groups == "static"
-    permuted = groups == "permuted"
+    # A k-quant grid's group scales share one float16 per 256 columns: it is chosen whole, up front.
+    static_groups = groups == "static" or scheme.kquant_kind is not None
+    permuted = groups == "permuted" and scheme.kquant_kind is None
     if not grouped or static_groups:
         # Per-channel, or static groups: the grid is fixed before any error feedback, so
         # act-order only changes the processing order and g_idx stays contiguous.
@@ -259,9 +260,10 @@ def gptq_quantize(
 
     Q = QT.T.contiguous()
     del QT
-    scale, zero = scaleT.T.contiguous(), zeroT.T.to(torch.int32).contiguous()
+    scale = scaleT.T.contiguous()
+    zero = zeroT.T.contiguous() if scheme.offset_grid else zeroT.T.to(torch.int32).contiguous()
     params = QuantParams(scheme, scale, zero, g_idx)
-    if refit:
+    if refit and scheme.kquant_kind is None:  # free scales only (a k-quant's are codes of one float16)
         H_orig = H if perm is None else H.index_select(0, invperm).index_select(1, invperm)
         del H
         Q, params = refit_scales(W.detach().float(), H_orig, Q, params)

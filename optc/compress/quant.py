@@ -114,10 +114,28 @@ def round_codes_(t: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return t.round_().clamp_(scheme.qmin, scheme.qmax)
 
 
+def kquant_params(w: torch.Tensor, scheme: QuantScheme, importance: torch.Tensor | None = None) -> QuantParams:
+    """A k-quant grid (``scheme.kquant_kind``) for ``w`` ([N, K]) from the importance-weighted
+    solver of :mod:`optc.compress.kquant`: each group's scale is ``d * sc`` (exact in float32)."""
+    from optc.compress.kquant import kquant
+
+    kq = kquant(w, scheme.kquant_kind, importance)
+    n, k = w.shape
+    scale = (kq.d.float()[..., None] * kq.sc.float()).reshape(n, -1).to(w.device)
+    if scheme.offset_grid:
+        zero = (kq.dmin.float()[..., None] * kq.m.float()).reshape(n, -1).to(w.device)
+    else:
+        zero = torch.zeros_like(scale, dtype=torch.int32)
+    return QuantParams(scheme, scale, zero, default_g_idx(k, scheme).to(w.device))
+
+
 def compute_qparams(
     w: torch.Tensor, scheme: QuantScheme, clip: torch.Tensor | float = 1.0
 ) -> QuantParams:
-    """Min-max parameters for ``w`` ([N, K]); ``clip`` shrinks each range (scalar or [N, G])."""
+    """Min-max parameters for ``w`` ([N, K]); ``clip`` shrinks each range (scalar or [N, G]).
+    A k-quant grid has no min-max form: its solver's grid, whatever ``clip``."""
+    if scheme.kquant_kind is not None:
+        return kquant_params(w.float(), scheme)
     lo, hi = _grouped_minmax(w.float(), scheme)
     scale, zero = params_from_range(lo * clip, hi * clip, scheme)
     return QuantParams(scheme, scale, zero, default_g_idx(w.shape[1], scheme).to(w.device))
@@ -149,12 +167,18 @@ def quantize(w: torch.Tensor, p: QuantParams) -> torch.Tensor:
     wv, s, z = _grouped_view(w.float(), p)
     if p.scheme.type == "float":
         return round_codes_(torch.div(wv, s), p.scheme).view(w.shape)
+    if p.scheme.offset_grid:  # u = round((w + o) / s) in [0, 2^b - 1]; a group of scale 0 holds -o
+        safe = torch.where(s != 0, s, torch.ones_like(s))
+        u = torch.add(wv, z).div_(safe).round_().clamp_(0, 2**p.scheme.bits - 1)
+        return u.add_(p.scheme.qmin).to(torch.int8).view(w.shape)
     q = torch.div(wv, s).round_().add_(z).clamp_(p.scheme.qmin, p.scheme.qmax)
     return q.to(torch.int8).view(w.shape)
 
 
 def dequantize(q: torch.Tensor, p: QuantParams, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     qv, s, z = _grouped_view(q, p)
+    if p.scheme.offset_grid:  # as llama.cpp computes it: (d * sc) * u - dmin * m
+        return torch.sub(qv, p.scheme.qmin).float().mul_(s).sub_(z).to(dtype).view(q.shape)
     return torch.sub(qv, z).mul_(s).to(dtype).view(q.shape)
 
 
@@ -176,6 +200,10 @@ def quantize_column(
     nothing); ``out`` receives the result, so GPTQ's column sweep allocates nothing per column.
     The steps run in place on one buffer.
     """
+    if scheme.offset_grid:  # zero holds the offset o: W = s * u - o, u in [0, 2^b - 1]
+        safe = torch.where(scale != 0, scale, torch.ones_like(scale))
+        q = torch.add(w, zero, out=out).div_(safe).round_().clamp_(0, 2**scheme.bits - 1)
+        return q.mul_(scale).sub_(zero)
     q = torch.div(w, scale, out=out)
     if zero is None:
         return round_codes_(q, scheme).mul_(scale)
@@ -256,7 +284,10 @@ def choose_qparams(
     importance: torch.Tensor | None = None,
 ) -> QuantParams:
     """Pick parameters for a whole weight with the named observer (``minmax`` or ``mse``;
-    ``importance`` weights columns in the MSE search)."""
+    ``importance`` weights columns in the MSE search). A k-quant grid comes from its own
+    importance-weighted solver, whatever the observer."""
+    if scheme.kquant_kind is not None:
+        return kquant_params(w.float(), scheme, importance)
     if observer == "minmax":
         return compute_qparams(w, scheme)
     if observer == "mse":

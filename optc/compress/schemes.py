@@ -25,7 +25,13 @@ MAX_GROUP_SIZE = 65536
 # The floating-point element grids by bits: FP8 E4M3 (OCP FP8, ``float8_e4m3fn``: no infinities,
 # largest finite 448) and FP4 E2M1 (OCP MX v1.0 Sec. 5.3.3: 0, 0.5, 1, 1.5, 2, 3, 4, 6).
 FLOAT_MAX = {8: 448.0, 4: 6.0}
-ScaleFormat = Literal["float", "e4m3", "e8m0"]
+ScaleFormat = Literal["float", "e4m3", "e8m0", "k-quant"]
+# Integer grids whose scales GGUF k-quants store (ggml-common.h): a float16 per 256 weights times
+# a signed 6-bit (Q3_K) or 8-bit (Q6_K) code per sub-block of 16; for the types with a min
+# (Q2_K, Q4_K, Q5_K) a second float16 times 4- or 6-bit codes gives each sub-block an offset
+# (``W = s * (q - qmin) - o``: the zero point tensor holds ``o``, in weight units).
+K_QUANT_GRIDS = {(2, False, 16): "q2_k", (3, True, 16): "q3_k", (4, False, 32): "q4_k",
+                 (5, False, 32): "q5_k", (6, True, 16): "q6_k"}
 # The 4-bit float grids compressed-tensors stores, by their scale format: NVFP4 (an FP8 E4M3
 # scale per 16 values under one FP32 scale per tensor) and MXFP4 (OCP MX: an E8M0 power-of-two
 # scale per 32 values).
@@ -44,7 +50,8 @@ class QuantScheme(BaseModel):
     )
     type: Literal["int", "float"] = Field("int", description="integer grid, or a floating-point element grid")
     scale_format: ScaleFormat | None = Field(
-        None, description="how each scale is stored: float, e4m3 (NVFP4) or e8m0 (MXFP4); "
+        None, description="how each scale is stored: float, e4m3 (NVFP4), e8m0 (MXFP4) or k-quant (GGUF "
+                          "k-quants: a float16 per 256 weights times an integer code per group); "
                           "default float, and for 4-bit floats the one its group size implies"
     )
 
@@ -68,6 +75,13 @@ class QuantScheme(BaseModel):
     @model_validator(mode="after")
     def _float_grid(self) -> QuantScheme:
         if self.type == "int":
+            if self.scale_format == "k-quant":
+                if self.kquant_kind is None:
+                    grids = ", ".join(f"{k.upper()} (bits {b}, symmetric {str(s).lower()}, group_size {g})"
+                                      for (b, s, g), k in K_QUANT_GRIDS.items())
+                    raise ValueError(f"k-quant scales come with the grids of {grids}; got bits {self.bits}, "
+                                     f"symmetric {str(self.symmetric).lower()}, group_size {self.group_size}")
+                return self
             if self.scale_format not in (None, "float"):
                 raise ValueError(f"scale_format {self.scale_format} is for 4-bit float grids (NVFP4, MXFP4), "
                                  "not integer ones")
@@ -102,7 +116,22 @@ class QuantScheme(BaseModel):
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group_size is None else math.ceil(in_features / self.group_size)
 
+    @property
+    def kquant_kind(self) -> str | None:
+        """The GGUF k-quant type (``q6_k``) whose two-level scales this grid has, or None."""
+        if self.type != "int" or self.scale_format != "k-quant":
+            return None
+        return K_QUANT_GRIDS.get((self.bits, self.symmetric, self.group_size))
+
+    @property
+    def offset_grid(self) -> bool:
+        """A k-quant grid with a min: its zero point tensor holds each group's offset ``o``
+        (``W = s * (q - qmin) - o``) instead of an integer zero point."""
+        return self.kquant_kind is not None and not self.symmetric
+
     def label(self) -> str:
+        if self.scale_format == "k-quant":
+            return f"{self.kquant_kind}-g{self.group_size}"
         g = "channel" if self.group_size is None else f"g{self.group_size}"
         if self.type == "float":
             name = {"e4m3": "nvfp4", "e8m0": "mxfp4"}.get(self.scale_format or "", "fp8-e4m3")

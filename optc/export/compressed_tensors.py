@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from optc.errors import OptcError
 from optc.export.files import describe_safetensors, quantization_config, read_config
 from optc.export.registry import Format
-from optc.export.source import save_tokenizer
+from optc.export.source import integer_grid, save_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +37,8 @@ _FLOAT_SCALE_BITS = {"float": 32, "e4m3": 8, "e8m0": 8}
 def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
     if scheme is not None and scheme.type == "float" and permuted:
         return f"{scheme.label()} has no g_idx for act-order (permuted) groups"
+    if scheme is not None and scheme.offset_grid:
+        return integer_grid(scheme, NAME)
     return None  # 1..8-bit integer grids of any group size, FP8, NVFP4, MXFP4
 
 

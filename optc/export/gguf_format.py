@@ -118,10 +118,73 @@ def _levels_misfit(scheme: QuantScheme, qtype: str) -> str | None:
 # --- exact block encoding (pure tensor functions) ---------------------------------------------
 
 
+def super_scales(scale: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A k-quant grid's group scales ([N, G]) as llama.cpp stores them: a float16 ``d`` per
+    super-block ([N, K/256]) and integer codes ``sc`` ([N, K/256, S]) with ``d * sc`` equal to every
+    scale bit for bit; None when some super-block's scales are not such multiples.
+
+    ``d`` is not stored beside optc's grids: it is recovered as ``s / c`` for the scale ``s`` of
+    largest magnitude and each code ``c`` that could hold it (any ``d`` that reproduces every scale
+    stores the same weights)."""
+    import torch
+
+    from optc.compress.kquant import K_TYPES, QK_K
+
+    kt = K_TYPES[kind]
+    lo, hi = kt.scale_codes
+    n, groups = scale.shape
+    s = scale.float().reshape(n, groups * kt.group // QK_K, kt.subblocks)
+    ext = s.gather(-1, s.abs().argmax(-1, keepdim=True))  # [N, nb, 1]
+    codes = torch.tensor([c for c in range(lo, hi + 1) if c], dtype=torch.float32)
+    d = (ext / codes).to(torch.float16).float()  # [N, nb, C]
+    sc = torch.where(d[..., None] != 0, s[..., None, :] / d[..., None], torch.zeros(()))
+    sc = sc.round_()
+    ok = ((sc >= lo) & (sc <= hi) & (d[..., None] * sc == s[..., None, :])).all(-1)  # [N, nb, C]
+    ok |= (ext == 0)  # an all-zero super-block: d = 0 and codes 0
+    if not bool(ok.any(-1).all()):
+        return None
+    pick = ok.float().argmax(-1, keepdim=True)  # the first code that reproduces the super-block
+    d_pick = d.gather(-1, pick)[..., 0]
+    sc_pick = sc.gather(-2, pick[..., None].expand(-1, -1, 1, kt.subblocks))[..., 0, :]
+    zero = ext[..., 0] == 0
+    d_pick = torch.where(zero, torch.zeros_like(d_pick), d_pick)
+    sc_pick = torch.where(zero[..., None], torch.zeros_like(sc_pick), sc_pick)
+    return d_pick.to(torch.float16), sc_pick.to(torch.int16)
+
+
+def _kblock_fit(p: QuantParams, qtype: str) -> str | None:
+    if p.scheme.kquant_kind != qtype:
+        return f"{qtype.upper()} super-blocks hold two-level scales, not {p.scheme.label()}'s"
+    if p.g_idx.numel() % 256:
+        return f"K={p.g_idx.numel()} is not a multiple of {qtype.upper()}'s 256-weight super-blocks"
+    if p.actorder:
+        return f"act-order (permuted) groups split {qtype.upper()}'s super-blocks"
+    if super_scales(p.scale, qtype) is None:
+        return f"the group scales are not float16 multiples of one scale per {qtype.upper()} super-block"
+    if p.scheme.offset_grid and super_scales(p.zero, qtype) is None:
+        return f"the group offsets are not float16 multiples of one min per {qtype.upper()} super-block"
+    return None
+
+
+def kblock_codes(w: torch.Tensor, p: QuantParams, qtype: str, name: str = "") -> KQuant:
+    """``w`` on ``p``'s k-quant grid as the super-blocks store it (codes ``q + 2^(b-1)``)."""
+    import torch
+
+    from optc.compress.kquant import KQuant
+    from optc.export.packing import grid_codes
+
+    d, sc = super_scales(p.scale, qtype)
+    q = grid_codes(name, w, p).to(torch.int16) + 2 ** (p.scheme.bits - 1)
+    dmin, m = super_scales(p.zero, qtype) if p.scheme.offset_grid else (None, None)
+    return KQuant(qtype, q.to(torch.uint8), d, sc, dmin, m)
+
+
 def block_fit(p: QuantParams, qtype: str) -> str | None:
     """Why ``p``'s grid cannot be stored exactly as ``qtype`` blocks, or None when it can."""
     if BLOCK_OF.get(qtype) == 256:
-        return f"{qtype.upper()} super-blocks hold two-level scales, not {p.scheme.label()}'s free ones"
+        return _kblock_fit(p, qtype)
+    if p.scheme.kquant_kind is not None:
+        return f"{qtype.upper()} blocks hold one float16 scale per 32 weights, not {p.scheme.label()}'s"
     if reason := _levels_misfit(p.scheme, check_qtype(qtype)):
         return reason
     k = p.g_idx.numel()
@@ -552,6 +615,8 @@ def _tensor_data(t: torch.Tensor, how: str | None, tt: TensorType | None, p: Qua
 
     if how in ("exact", "rounded", "requantized"):
         kind = _ggml_type(tt.qtype)
+        if how == "exact" and tt.qtype in K_TYPES:
+            return encode_kblocks(kblock_codes(t, p, tt.qtype, name)), kind
         if how == "exact":
             return encode_blocks(*block_codes(t, p, tt.qtype, name), tt.qtype), kind
         if tt.qtype in K_TYPES:
@@ -675,7 +740,9 @@ def _file_type_of(qtype: str) -> int:
 def _fits(qtype: str, scheme: QuantScheme | None, permuted: bool) -> str | None:
     if qtype in MIXES:
         # A mix types each tensor itself and re-quantizes grids its types cannot hold.
-        return None if scheme is None else integer_grid(scheme, f"GGUF {qtype.upper()}")
+        if scheme is None or scheme.kquant_kind is not None:
+            return None
+        return integer_grid(scheme, f"GGUF {qtype.upper()}")
     if scheme is None or GGUF_TYPES[qtype].bits is None:
         return None
     if refusal := integer_grid(scheme, f"GGUF {qtype.upper()}"):
@@ -698,6 +765,32 @@ def _bits_per_weight(qtype: str, scheme: QuantScheme | None, in_features: int) -
     group = scheme.group_size or in_features
     # An upper bound: the block scales are inside the bits, and a scale and zero per group on top.
     return GGUF_TYPES[qtype].stored_bits + 64 * math.ceil(in_features / group) / in_features
+
+
+# The optc grid each GGUF type holds exactly: legacy blocks' plain grids, the k-quants' two-level
+# scales (and offsets).
+TYPE_SCHEMES = {
+    "q4_0": (4, True, 32, None), "q4_1": (4, False, 32, None), "q5_0": (5, True, 32, None),
+    "q5_1": (5, False, 32, None), "q8_0": (8, True, 32, None), "q2_k": (2, False, 16, "k-quant"),
+    "q3_k": (3, True, 16, "k-quant"), "q4_k": (4, False, 32, "k-quant"), "q5_k": (5, False, 32, "k-quant"),
+    "q6_k": (6, True, 16, "k-quant"),
+}
+
+
+def _mix_schemes(mix: str, model) -> dict[str, QuantScheme | None]:
+    """Each decoder Linear of ``model`` -> the grid of its type in ``mix`` (None: stored float16)."""
+    from optc.compress.schemes import QuantScheme
+
+    src = ModelSource(model)
+    linears = set(src.linears()) - {src.head}
+    out: dict[str, QuantScheme | None] = {}
+    for key, t in tensor_types(src, mix).items():
+        mod = key.rpartition(".")[0]
+        if mod in linears:
+            spec = TYPE_SCHEMES.get(t.qtype)
+            out[mod] = None if spec is None else QuantScheme(bits=spec[0], symmetric=spec[1], group_size=spec[2],
+                                                             scale_format=spec[3])
+    return out
 
 
 def _write(qtype: str, src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None,
@@ -746,6 +839,7 @@ GGUF_FORMATS = tuple(
         bits_per_weight=functools.partial(_bits_per_weight, qtype),
         usage=_USAGE,
         embedding_8bit=None,
+        linear_schemes=functools.partial(_mix_schemes, qtype) if qtype in MIXES else None,
     )
     for qtype in [*GGUF_TYPES, *MIXES]
 )

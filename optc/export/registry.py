@@ -53,6 +53,10 @@ class Format:
     # Why the input embedding cannot be stored in 8 bits (export.embedding_bits: 8), or None
     # when the format and its runtime hold it so (GGUF Q8_0 in llama.cpp); write() then takes
     # embedding_bits=8.
+    # linear_schemes(model) -> {Linear name: scheme or None (float)}: the grid a quantizing stage
+    # calibrates each Linear on when this format is the target, because the format fixes each
+    # tensor's type itself (a GGUF mix); None: the stage's own schemes.
+    linear_schemes: Callable[[Any], dict[str, Any]] | None = None
     embedding_8bit: str | None = ("its runtimes (vLLM, transformers) load quantized Linear layers only, "
                                   "so the embedding stays 16-bit; GGUF stores it as Q8_0")
 

@@ -155,6 +155,8 @@ def integer_grid(scheme: QuantScheme | None, fmt: str) -> str | None:
     """Why ``fmt``, which holds integer codes only, cannot hold ``scheme`` (a float grid), or None."""
     if scheme is not None and scheme.type == "float":
         return f"{fmt} holds integer grids, not {scheme.label()} (compressed-tensors holds float grids)"
+    if scheme is not None and scheme.offset_grid:
+        return f"{fmt} stores integer zero points, not {scheme.label()}'s k-quant offsets (a gguf-q*_k* mix holds them)"
     return None
 
 

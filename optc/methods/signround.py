@@ -62,6 +62,9 @@ class SignRoundStage(WeightQuantConfig):
             if scheme is not None and scheme.type == "float":
                 raise ValueError(f"signround learns integer grids; {where} is {scheme.label()} (use rtn or gptq "
                                  "for floating-point grids)")
+            if scheme is not None and scheme.kquant_kind is not None:
+                raise ValueError(f"signround learns free group scales; {where} is {scheme.label()}, whose scales "
+                                 "are codes of one float16 per 256 weights (use gptq, awq or rtn for k-quant grids)")
         return self
 
     def learns_clip(self) -> bool:

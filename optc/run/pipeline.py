@@ -5,12 +5,16 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import time
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
+from pydantic import ValidationError
 
 from optc.calibrate.distributed import is_main_process, process_group
 from optc.compress.actquant import input_quant_of
@@ -48,7 +52,7 @@ from optc.run.streaming import (
 )
 from optc.methods.recover_training import check_recoverable, restore_base, write_adapter
 from optc.methods import METHODS, Workspace, declared_schemes, planned_schemes
-from optc.methods.base import WeightQuantConfig
+from optc.methods.base import Override, WeightQuantConfig, scheme_label
 from optc.methods.budget import allocate_budget, plan_budget
 
 log = logging.getLogger(__name__)
@@ -181,6 +185,13 @@ def _run_claimed(
     if budgets and streaming:
         raise OptcError("a budget needs the model in memory (its sensitivity pass reads every layer before the "
                         "method runs); this run streams it: drop --streaming or the budget")
+    fmt = get_format(recipe.export.format)
+    if budgets and fmt.linear_schemes is not None:
+        raise OptcError(f"export format {fmt.name} types every tensor itself (as llama.cpp's mix does), so a "
+                        "budget has nothing to choose: drop the budget or export to a format that stores each "
+                        "Linear on its own scheme")
+    for stage in recipe.stages:  # a method that cannot take the format's grids is refused before any calibration
+        _format_grids(stage, loaded.model, fmt)
     for i, stage in budgets.items():  # an impossible target is refused before any calibration
         plan_budget(loaded.model, stage, get_format(recipe.export.format), torch.finfo(dtype).bits,
                     loaded.qparams, f"stage {i} ({stage.type})")
@@ -219,6 +230,7 @@ def _run_claimed(
                 ws.store.begin_stage(i, stage.type)
             t0 = time.perf_counter()
             log.info("stage %d: %s%s", i, stage.type, " (streaming)" if streaming else "")
+            stage, grids_note = _format_grids(stage, ws.model, get_format(recipe.export.format))
             budget = None
             if i in budgets:
                 plan = plan_budget(ws.model, stage, get_format(recipe.export.format), torch.finfo(dtype).bits,
@@ -228,6 +240,8 @@ def _run_claimed(
             if budget is not None:
                 stats["budget"] = budget
                 stats.setdefault("notes", []).append(budget.pop("note"))
+            if grids_note is not None:
+                stats.setdefault("notes", []).append(grids_note)
             if "perplexity_before" in stats:
                 report["metrics"]["perplexity_before_recovery"] = stats.pop("perplexity_before")
             report["stages"].append(
@@ -284,6 +298,26 @@ def _run_claimed(
     if ws.store is not None:
         ws.store.remove()
     return report
+
+
+def _format_grids(stage, model: torch.nn.Module, fmt) -> tuple[Any, str | None]:
+    """A quantizing stage with one exact-name override per Linear (after its own) when the export
+    format fixes each tensor's type (a GGUF mix), so the method calibrates every Linear on the grid
+    the file stores it on; and a note of the grids it took."""
+    if fmt.linear_schemes is None or METHODS[stage.type].kind != "quantize":
+        return stage, None
+    schemes = fmt.linear_schemes(model)
+    extra = [Override(pattern=f"^{re.escape(n)}$", scheme=s) for n, s in schemes.items()]
+    counts = Counter(scheme_label(s) for s in schemes.values())
+    note = (f"grids of {fmt.name}'s tensor types: "
+            + ", ".join(f"{label} x{n}" for label, n in counts.most_common())
+            + (" (the stage's own overrides first)" if stage.overrides else ""))
+    try:  # validated again: a method may refuse the format's grids (one line, before any work)
+        resolved = type(stage).model_validate({**stage.model_dump(), "overrides": [*stage.overrides, *extra]})
+    except ValidationError as exc:
+        raise OptcError(f"stage {stage.type} with export format {fmt.name}: "
+                        f"{exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
+    return resolved, note
 
 
 def _budget_stages(recipe: Recipe) -> dict[int, WeightQuantConfig]:
