@@ -236,3 +236,48 @@ def test_a_method_that_cannot_take_the_mix_grids_is_refused_before_calibration(w
     assert result.exit_code != 0
     assert "signround learns free group scales" in result.output and "q4_k-g32" in result.output, result.output
     assert "stage 0" not in result.output  # no stage ran
+
+
+def test_imatrix_round_trips_and_weighs_the_rounding(wide_lm, tiny_tokenizer, tmp_path) -> None:
+    """An imatrix written in llama.cpp's GGUF layout reads back as written; a mismatched one is
+    refused naming the tensor; given one, the export's rounding favours the heavy columns."""
+    from optc.errors import OptcError
+    from optc.export.imatrix import Imatrix, read_imatrix, write_imatrix
+
+    cols = {f"blk.{i}.{r}.weight": (256 if r == "ffn_down" else 64) for i in range(2)
+            for r in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    heavy = torch.ones(256)
+    heavy[:16] = 1e4
+    sums = {n: (heavy if k == 256 else torch.ones(k)) * 40.0 for n, k in cols.items()}
+    im = Imatrix(sums, {n: 40.0 for n in cols}, ["calibration.txt"], 10, 4)
+    path = write_imatrix(tmp_path / "imatrix.gguf", im)
+    back = read_imatrix(path)
+    assert back.datasets == ["calibration.txt"] and (back.chunk_count, back.chunk_size) == (10, 4)
+    assert all(torch.equal(back.sums[n], sums[n]) and back.counts[n] == 40.0 for n in cols)
+    assert torch.equal(back.importance("blk.0.ffn_down.weight"), heavy)
+
+    plain = write_gguf(wide_lm, tiny_tokenizer, tmp_path / "a.gguf", "q4_k_m")
+    assert plain["types"]["q4_k"] == 1
+    from optc.export.gguf_format import write_gguf_source
+    from optc.export.source import ModelSource
+
+    write_gguf_source(ModelSource(wide_lm, tiny_tokenizer), tmp_path / "b.gguf", "q4_k_m", imatrix=back)
+    w = wide_lm.model.layers[0].mlp.down_proj.weight.detach().float()
+    err = {}
+    for f in ("a", "b"):
+        t = _tensors(tmp_path / f"{f}.gguf")["blk.0.ffn_down.weight"]
+        got = torch.from_numpy(gguf.dequantize(np.asarray(t.data).reshape(w.shape[0], -1), t.tensor_type))
+        err[f] = float((got - w)[:, :16].square().sum())
+    assert err["b"] < err["a"]
+
+    del sums["blk.1.attn_v.weight"]
+    with pytest.raises(OptcError, match="no entry for blk.1.attn_v.weight"):
+        write_gguf_source(ModelSource(wide_lm, tiny_tokenizer), tmp_path / "c.gguf", "q4_k_m",
+                          imatrix=Imatrix(sums, im.counts))
+    short = dict(im.sums, **{"blk.0.ffn_down.weight": torch.ones(128)})
+    with pytest.raises(OptcError, match="blk.0.ffn_down.weight has 128 columns, the model's has 256"):
+        write_gguf_source(ModelSource(wide_lm, tiny_tokenizer), tmp_path / "d.gguf", "q4_k_m",
+                          imatrix=Imatrix(short, im.counts))
+    (tmp_path / "x.gguf").write_bytes((tmp_path / "a.gguf").read_bytes())
+    with pytest.raises(OptcError, match="not an imatrix"):
+        read_imatrix(tmp_path / "x.gguf")

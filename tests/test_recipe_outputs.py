@@ -90,15 +90,21 @@ def fingerprint(out: Path) -> dict:
     model = load_checkpoint(str(out)).model
     sketches = {k: _sketch(k, t) for k, t in sorted(model.state_dict().items()) if t.is_floating_point()}
     layout = []
-    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
-        for key in sorted(f.keys()):
-            t = f.get_tensor(key)
-            layout.append([key, str(t.dtype), list(t.shape)])
-            # Grids are in the read-back weights; activation scales and the like only here.
-            if t.is_floating_point() and key not in sketches:
-                sketches[key] = _sketch(key, t)
-    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
-    layout.append(["quantization_config", config.get("quantization_config")])
+    ggufs = sorted(out.glob("*.gguf"))
+    if ggufs:  # a GGUF file: every tensor's name, block type and shape
+        from gguf import GGUFReader
+
+        layout = [[t.name, t.tensor_type.name, [int(x) for x in t.shape]] for t in GGUFReader(str(ggufs[0])).tensors]
+    else:
+        with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+            for key in sorted(f.keys()):
+                t = f.get_tensor(key)
+                layout.append([key, str(t.dtype), list(t.shape)])
+                # Grids are in the read-back weights; activation scales and the like only here.
+                if t.is_floating_point() and key not in sketches:
+                    sketches[key] = _sketch(key, t)
+        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        layout.append(["quantization_config", config.get("quantization_config")])
     digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode()).hexdigest()
     return {"layout": digest, "sketches": sketches}
 

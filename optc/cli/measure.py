@@ -141,12 +141,14 @@ def export(
     overwrite: OverwriteOpt = False,
     force_overwrite: ForceOverwriteOpt = False,
     requantize: Annotated[bool, typer.Option("--requantize", help="GGUF: round grids the block type cannot hold again (lossy).", metavar=FLAG)] = False,
+    imatrix: Annotated[Optional[Path], typer.Option("--imatrix", help="GGUF: llama.cpp importance matrix (llama-imatrix's GGUF file) weighing the rounding of every tensor the export quantizes itself.")] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Convert a checkpoint to another format, re-packing its quantization grid (no calibration)."""
     from optc.export.convert import convert_checkpoint
 
-    info = convert_checkpoint(model, output, fmt, overwrite=overwrite, requantize=requantize, force=force_overwrite)
+    info = convert_checkpoint(model, output, fmt, overwrite=overwrite, requantize=requantize, force=force_overwrite,
+                              imatrix=imatrix)
     if as_json:
         console.print_json(json.dumps(info, default=str))
         return

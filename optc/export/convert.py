@@ -38,8 +38,10 @@ def export_model(
     *,
     max_shard_bytes: int | None = None,
     requantize: bool = False,
+    imatrix: Path | None = None,
 ) -> dict:
-    """Write ``model`` (weights fake-quantized on ``qparams``' grids) into ``directory`` as ``fmt``.
+    """Write ``model`` (weights fake-quantized on ``qparams``' grids) into ``directory`` as ``fmt``
+    (``imatrix``: llama.cpp's importance matrix, for the formats that round weights themselves).
 
     Weight grids only: activation quantization attached to the model is not written. Returns a
     summary with at least ``format`` (and ``file`` for a one-file format such as GGUF, whose
@@ -49,8 +51,15 @@ def export_model(
     if target.needs_quantized and not qparams:
         raise OptcError(f"export format {fmt} holds quantized weights; this model has none "
                         "(quantize it first, or export dense / gguf)")
+    extra = {}
+    if imatrix is not None:
+        if not target.takes_imatrix:
+            able = ", ".join(n for n, f in FORMATS.items() if f.takes_imatrix)
+            raise OptcError(f"an imatrix weighs the rounding of formats that quantize weights themselves ({able}); "
+                            f"{fmt} does not")
+        extra["imatrix"] = Path(imatrix)
     return target.write(ModelSource(model, tokenizer, qparams), Path(directory),
-                        max_shard_bytes=max_shard_bytes, requantize=requantize)
+                        max_shard_bytes=max_shard_bytes, requantize=requantize, **extra)
 
 
 def convert_checkpoint(
@@ -62,6 +71,7 @@ def convert_checkpoint(
     requantize: bool = False,
     max_shard_bytes: int | None = None,
     force: bool = False,
+    imatrix: Path | None = None,
 ) -> dict:
     """Read ``source`` (any format optc reads, or a dense / GGUF / hub model) and write it as ``fmt``.
 
@@ -76,11 +86,11 @@ def convert_checkpoint(
     check_output(output, overwrite, inputs, force=force)
     with claimed_output(output, overwrite, inputs, force=force):
         return _convert(source, output, fmt, target, overwrite=overwrite, force=force, requantize=requantize,
-                        max_shard_bytes=max_shard_bytes)
+                        max_shard_bytes=max_shard_bytes, imatrix=imatrix)
 
 
 def _convert(source: str, output: Path, fmt: str, target, *, overwrite: bool, force: bool, requantize: bool,
-             max_shard_bytes: int | None) -> dict:
+             max_shard_bytes: int | None, imatrix: Path | None = None) -> dict:
     from optc.compress.actquant import input_quant_of
     from optc.export.checkpoint import check_free_space, estimate_checkpoint_bytes
     from optc.export.load import load_checkpoint
@@ -99,7 +109,7 @@ def _convert(source: str, output: Path, fmt: str, target, *, overwrite: bool, fo
     check_free_space(output, estimate_checkpoint_bytes(loaded.model, {n: p.scheme for n, p in loaded.qparams.items()}, fmt))
     with staged_output(output, overwrite, {"model": loaded.path}, force=force) as tmp:
         summary = export_model(loaded.model, loaded.tokenizer, loaded.qparams, fmt, tmp,
-                               max_shard_bytes=max_shard_bytes, requantize=requantize)
+                               max_shard_bytes=max_shard_bytes, requantize=requantize, imatrix=imatrix)
     summary.update({"source": str(source), "path": str(output), "modules_read": len(loaded.qparams)})
     if "file" in summary:  # a one-file format: the path is the file
         summary["path"] = str(output / summary["file"])

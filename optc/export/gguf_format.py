@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import optc
 from optc.errors import OptcError
 from optc.export.gguf_mix import BLOCK_OF, FALLBACK, GGUF_STORED_BITS, MIXES, TensorType, mix_types
+from optc.export.imatrix import Imatrix, check_imatrix, read_imatrix
 from optc.export.registry import Format
 from optc.export.source import ExportSource, ModelSource, integer_grid, refuse_activations
 from optc.model.gguf_keys import GGUF_PRE_TOKENIZER_KEY
@@ -508,7 +509,7 @@ def plan_gguf(src: ExportSource, qtype: str, requantize: bool = False,
 
 
 def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: bool = False,
-                      embedding_bits: int = 16) -> dict:
+                      embedding_bits: int = 16, imatrix: Imatrix | None = None) -> dict:
     """Write ``src`` as one GGUF file of type ``qtype`` (a block type of ``GGUF_TYPES`` or a mix of
     ``MIXES``), its tokenizer inside.
 
@@ -517,7 +518,9 @@ def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: 
     k-quants); a grid that does not fit is refused unless ``requantize`` (mixes re-quantize it
     and say so). With one block type the embeddings and an untied output head stay float16 (the
     input embedding Q8_0 with ``embedding_bits=8``); a mix types them as llama.cpp does. Norms
-    are float32.
+    are float32. ``imatrix`` (llama.cpp's importance matrix, checked against the model) weighs the
+    rounding of every matrix quantized here: the k-quant solver's, and for the 32-weight types an
+    importance-weighted MSE search on the type's own grid instead of plain round-to-nearest.
     """
     import gguf
     import torch
@@ -530,6 +533,11 @@ def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: 
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     name_map = _name_map(src, arch)
+    if imatrix is not None:
+        linears = set(src.linears()) - {src.head}
+        check_imatrix(imatrix, {f"{name_map.get_name(k.rpartition('.')[0])}.weight": src.spec(k)[1][1]
+                                for k, (_, how) in plan.items()
+                                if k.rpartition(".")[0] in linears and how in ("rounded", "requantized")})
     path = Path(path)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(str(getattr(config, "_name_or_path", "") or "optc model"))
@@ -556,7 +564,9 @@ def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: 
                 raise OptcError(f"GGUF export has no llama.cpp name for {key}")
             rows = heads if mod.endswith("q_proj") else kv_heads if mod.endswith("k_proj") else 0
             t, how = plan.get(key, (None, None))
-            data, raw = _tensor_data(src.tensor(key), how, t, src.qparams.get(mod), mod)
+            gname = f"{base}.{leaf}"
+            imp = imatrix.importance(gname) if imatrix is not None and gname in imatrix.sums else None
+            data, raw = _tensor_data(src.tensor(key), how, t, src.qparams.get(mod), mod, imp)
             if permute and rows:
                 data = permute_rotary_rows(data, rows)
             writer.add_tensor(f"{base}.{leaf}", data, raw_dtype=raw)
@@ -606,12 +616,15 @@ def write_gguf(
                              embedding_bits=embedding_bits)
 
 
-def _tensor_data(t: torch.Tensor, how: str | None, tt: TensorType | None, p: QuantParams | None, name: str = ""):
+def _tensor_data(t: torch.Tensor, how: str | None, tt: TensorType | None, p: QuantParams | None, name: str = "",
+                 importance: torch.Tensor | None = None):
     """Array to write for one state-dict tensor and its raw GGML type (None: from the array dtype)."""
     import gguf
     import numpy as np
 
     from optc.compress.kquant import K_TYPES, kquant
+    from optc.compress.quant import choose_qparams, fake_quantize
+    from optc.compress.schemes import QuantScheme
 
     if how in ("exact", "rounded", "requantized"):
         kind = _ggml_type(tt.qtype)
@@ -620,7 +633,12 @@ def _tensor_data(t: torch.Tensor, how: str | None, tt: TensorType | None, p: Qua
         if how == "exact":
             return encode_blocks(*block_codes(t, p, tt.qtype, name), tt.qtype), kind
         if tt.qtype in K_TYPES:
-            return encode_kblocks(kquant(t.detach().float(), tt.qtype)), kind
+            return encode_kblocks(kquant(t.detach().float(), tt.qtype, importance)), kind
+        if importance is not None:  # the type's grid, searched under the importance, stored exactly
+            bits, symmetric, group, _ = TYPE_SCHEMES[tt.qtype]
+            w = t.detach().float()
+            grid = choose_qparams(w, QuantScheme(bits=bits, symmetric=symmetric, group_size=group), "mse", importance)
+            return encode_blocks(*block_codes(fake_quantize(w, grid), grid, tt.qtype, name), tt.qtype), kind
         return gguf.quants.quantize(t.detach().float().cpu().numpy(), kind), kind
     w = t.detach().float().cpu().numpy()
     # Norms and biases stay float32 (llama.cpp keeps 1-D tensors so); matrices float16.
@@ -794,10 +812,10 @@ def _mix_schemes(mix: str, model) -> dict[str, QuantScheme | None]:
 
 
 def _write(qtype: str, src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None,
-           requantize: bool = False, embedding_bits: int = 16) -> dict:
+           requantize: bool = False, embedding_bits: int = 16, imatrix: Path | None = None) -> dict:
     refuse_activations(src, f"gguf-{qtype}")
     return write_gguf_source(src, Path(directory) / f"model-{qtype}.gguf", qtype, requantize=requantize,
-                             embedding_bits=embedding_bits)
+                             embedding_bits=embedding_bits, imatrix=None if imatrix is None else read_imatrix(imatrix))
 
 
 _DESCRIPTIONS = {
@@ -840,6 +858,7 @@ GGUF_FORMATS = tuple(
         usage=_USAGE,
         embedding_8bit=None,
         linear_schemes=functools.partial(_mix_schemes, qtype) if qtype in MIXES else None,
+        takes_imatrix=True,
     )
     for qtype in [*GGUF_TYPES, *MIXES]
 )

@@ -57,6 +57,9 @@ class Format:
     # calibrates each Linear on when this format is the target, because the format fixes each
     # tensor's type itself (a GGUF mix); None: the stage's own schemes.
     linear_schemes: Callable[[Any], dict[str, Any]] | None = None
+    # write() takes imatrix=PATH: llama.cpp's importance matrix weighs the rounding of the tensors
+    # the format quantizes itself (GGUF).
+    takes_imatrix: bool = False
     embedding_8bit: str | None = ("its runtimes (vLLM, transformers) load quantized Linear layers only, "
                                   "so the embedding stays 16-bit; GGUF stores it as Q8_0")
 
