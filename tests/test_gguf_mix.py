@@ -281,3 +281,23 @@ def test_imatrix_round_trips_and_weighs_the_rounding(wide_lm, tiny_tokenizer, tm
     (tmp_path / "x.gguf").write_bytes((tmp_path / "a.gguf").read_bytes())
     with pytest.raises(OptcError, match="not an imatrix"):
         read_imatrix(tmp_path / "x.gguf")
+
+
+def test_optc_imatrix_writes_what_llama_quantize_reads(wide_checkpoint, tmp_path) -> None:
+    """Each decoder Linear's sum of squared inputs over the calibration tokens, by llama.cpp name."""
+    from typer.testing import CliRunner
+
+    from optc.cli.main import app
+    from optc.export.imatrix import read_imatrix
+
+    out = tmp_path / "imatrix.gguf"
+    result = CliRunner().invoke(app, ["imatrix", str(wide_checkpoint), "-o", str(out), "--samples", "4",
+                                      "--seqlen", "32", "-q"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    im = read_imatrix(out)
+    assert len(im.sums) == 14 and (im.chunk_count, im.chunk_size) == (4, 32)
+    assert im.counts["blk.0.ffn_down.weight"] == 4 * 32
+    assert im.sums["blk.0.ffn_down.weight"].numel() == 256 and im.sums["blk.1.attn_q.weight"].numel() == 64
+    assert bool((im.sums["blk.0.attn_q.weight"] > 0).all())
+    again = CliRunner().invoke(app, ["imatrix", str(wide_checkpoint), "-o", str(out), "--samples", "4", "-q"])
+    assert again.exit_code != 0 and "--overwrite" in again.output

@@ -1,5 +1,5 @@
 """Commands that measure, convert and describe: ``eval``, ``report``, ``inspect``, ``export``,
-``recipes``."""
+``imatrix``, ``recipes``."""
 
 from __future__ import annotations
 
@@ -165,6 +165,31 @@ def export(
     for change, names in by_change.items():  # every name: --json
         shown = ", ".join(names[:3]) + (f", ... ({len(names)} in all)" if len(names) > 3 else "")
         console.print(f"[yellow]fallback {change}[/] (rows not whole super-blocks): {shown}")
+
+
+@app.command()
+@handle_errors
+def imatrix(
+    model: Annotated[Optional[str], typer.Argument(help="Checkpoint directory, hub id, .gguf file, or built-in name (default: the built-in model).")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="imatrix file to write (llama.cpp's GGUF imatrix).")] = Path("imatrix.gguf"),
+    dataset: Annotated[str, typer.Option("--dataset", help="Calibration text: builtin, a path, or a hub dataset.")] = "builtin",
+    samples: Annotated[int, typer.Option("--samples", help="Sequences of calibration text.")] = 128,
+    seqlen: Annotated[int, typer.Option("--seqlen", help="Tokens per sequence.")] = 512,
+    overwrite: OverwriteOpt = False, device: DeviceOpt = "cpu", as_json: JsonOpt = False, quiet: QuietOpt = False,
+) -> None:
+    """Importance matrix for llama.cpp: each decoder Linear's mean squared input per column on
+    calibration text (what llama-imatrix writes; llama-quantize --imatrix and optc export --imatrix read it)."""
+    from optc.data import CalibrationConfig
+    from optc.model.load import DEFAULT_MODEL
+    from optc.run.imatrix import model_imatrix
+
+    info = model_imatrix(model or DEFAULT_MODEL, output, CalibrationConfig(dataset=dataset, samples=samples, seqlen=seqlen),
+                         overwrite=overwrite, device=pick_device(device), progress=progress_bars(quiet))
+    if as_json:
+        console.print_json(json.dumps(info, default=str))
+        return
+    console.print(f"wrote [bold]{info['path']}[/]: {info['entries']} tensors, {info['chunks']} chunks of "
+                  f"{info['chunk_size']} tokens, from {info['model']}")
 
 
 @recipes_app.callback()
