@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 export OPTC_CACHE ?= $(HOME)/.cache/optc
 export PYTHONUNBUFFERED := 1
 
-.PHONY: install demo test test-slow bench bench-scale clean test-interop llama-cpp
+.PHONY: install demo test test-slow bench bench-scale clean test-interop llama-cpp bench-llama-cpp
 
 install: $(VENV)/.installed
 
@@ -65,6 +65,11 @@ $(LLAMA_BIN)/llama-perplexity:
 	cmake --build $(LLAMA_CPP)/build --target $(LLAMA_TOOLS) -j$$(nproc)
 
 llama-cpp: $(LLAMA_BIN)/llama-perplexity
+
+# optc's Q4_0 / Q4_K_M / Q3_K_M / Q2_K files against llama-quantize with and without llama-imatrix,
+# judged by llama-perplexity --kl-divergence and llama-bench (run alone for the speeds)
+bench-llama-cpp: install $(LLAMA_BIN)/llama-perplexity
+	$(PY) interop/llama_cpp_targets.py --bin $(LLAMA_BIN) --out out/bench/llama-cpp-targets
 
 test-interop: install $(VLLM_VENV)/.installed $(GPTQ_VENV)/.installed $(LLAMA_BIN)/llama-perplexity
 	$(PY) interop/prepare.py --out $(INTEROP_OUT)

@@ -1,8 +1,10 @@
 """`make test-interop`: llama.cpp's own tools load every GGUF type optc writes and agree with optc.
 
 For each type, the default model quantized by round-to-nearest on the grid the type holds exactly
-(Q4_0/Q5_0/Q8_0: symmetric 4/5/8 bits; Q4_1/Q5_1: asymmetric 4/5 bits; groups of 32) is exported
-by optc and then, with llama.cpp's binaries:
+(Q4_0/Q5_0/Q8_0: symmetric 4/5/8 bits; Q4_1/Q5_1: asymmetric 4/5 bits; groups of 32), and for
+each llama.cpp mix (Q2_K ... Q6_K) on the grid of every tensor's type (k-quant super-blocks where
+the rows are whole super-blocks, llama.cpp's fallback types elsewhere), is exported by optc and
+then, with llama.cpp's binaries:
 
 - ``llama-perplexity`` scores WikiText-2 raw test (``-c 2048``, the first ``--chunks`` chunks;
   llama.cpp scores the second half of each chunk) against the logits of optc's F16 export of the
@@ -32,9 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from optc.data import evaluation_tokens
+from optc.export.formats import FORMATS
+from optc.export.gguf_mix import MIXES
 from optc.export.load import load_checkpoint
 from optc.export.source import ModelSource
 from optc.methods import Workspace
+from optc.methods.base import Override
 from optc.methods.rtn import RTNStage, run_rtn
 from optc.run.pipeline import export_checkpoint
 
@@ -99,7 +104,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--tolerance", type=float, default=0.01, help="relative perplexity agreement")
-    ap.add_argument("--types", nargs="+", choices=list(TYPES), default=list(TYPES))
+    ap.add_argument("--types", nargs="+", choices=[*TYPES, *MIXES], default=[*TYPES, *MIXES])
     ap.add_argument("--no-bench", action="store_true")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -110,10 +115,16 @@ def main() -> None:
         directory = args.out / qtype
         directory.mkdir(exist_ok=True)
         model, qparams = loaded.model, {}
-        if TYPES[qtype] is not None:
+        if qtype in MIXES:  # every Linear on the grid of its tensor type in the mix
+            schemes = FORMATS[f"gguf-{qtype}"].linear_schemes(loaded.model)
+            stage = RTNStage(type="rtn", overrides=[Override(pattern=f"^{re.escape(n)}$", scheme=sc)
+                                                    for n, sc in schemes.items()])
+        else:
+            stage = None if TYPES[qtype] is None else RTNStage(type="rtn", scheme=TYPES[qtype])
+        if stage is not None:
             model = copy.deepcopy(loaded.model)
             ws = Workspace(model, loaded.tokenizer)
-            run_rtn(ws, RTNStage(type="rtn", scheme=TYPES[qtype]))
+            run_rtn(ws, stage)
             qparams = ws.qparams
         export_checkpoint(ModelSource(model, loaded.tokenizer, qparams), f"gguf-{qtype}", directory, "2GB")
         files[qtype] = directory / f"model-{qtype}.gguf"
