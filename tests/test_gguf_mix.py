@@ -301,3 +301,13 @@ def test_optc_imatrix_writes_what_llama_quantize_reads(wide_checkpoint, tmp_path
     assert bool((im.sums["blk.0.attn_q.weight"] > 0).all())
     again = CliRunner().invoke(app, ["imatrix", str(wide_checkpoint), "-o", str(out), "--samples", "4", "-q"])
     assert again.exit_code != 0 and "--overwrite" in again.output
+
+
+def test_size_metrics_count_bits_per_weight_as_llama_cpp(wide_lm, tiny_tokenizer, tmp_path) -> None:
+    from optc.evaluate.size import size_metrics
+
+    write_gguf(wide_lm, tiny_tokenizer, tmp_path / "m.gguf", "q4_k_m")
+    tensors = gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors
+    size = size_metrics(wide_lm, tmp_path)
+    assert size["weight_bytes"] == sum(int(t.n_bytes) for t in tensors) < size["bytes_on_disk"]
+    assert size["bits_per_weight"] == round(8 * size["weight_bytes"] / sum(int(t.n_elements) for t in tensors), 4)

@@ -72,7 +72,17 @@ def size_metrics(
         return out
     path = Path(path)
     linear_bytes = None
-    if path.is_file():
+    ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(ggufs) == 1 and not (path.is_dir() and (path / "config.json").exists()):
+        # As llama.cpp's loader counts a GGUF file's bits per weight: its tensors' bytes, no metadata.
+        from gguf import GGUFReader
+
+        tensors = GGUFReader(str(ggufs[0])).tensors
+        out["bytes_on_disk"] = (path.stat().st_size if path.is_file()
+                                else sum(p.stat().st_size for p in path.rglob("*") if p.is_file()))
+        out["weight_bytes"] = sum(int(t.n_bytes) for t in tensors)
+        linear_bytes = sum(int(t.n_bytes) for t in tensors if t.name.startswith("blk.") and len(t.shape) > 1)
+    elif path.is_file():
         out["bytes_on_disk"] = out["weight_bytes"] = path.stat().st_size
     else:
         out["bytes_on_disk"] = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
