@@ -12,7 +12,9 @@ then, with llama.cpp's binaries:
 - optc reads the same file (transformers' GGUF loader under optc's reader) and scores the very
   tokens llama.cpp scored (read back from the base logits file), the same positions, the same BOS
   rule: the two perplexities must agree within ``--tolerance``;
-- ``llama-bench`` (batch 1, ``-t`` threads): prompt and decode tokens per second.
+- ``llama-bench`` (batch 1, ``-t`` threads): prompt and decode tokens per second;
+- ggml's own dequantization of every tensor (``to_float`` of its type, called in libggml-base)
+  equals the ``gguf`` package's bit for bit (which the main suite proves equal to optc's weights).
 
     python interop/llama_cpp_check.py --bin BUILD/bin --out out/interop/llama-cpp
 """
@@ -81,6 +83,36 @@ def base_tokens(path: Path) -> tuple[int, np.ndarray]:
     return int(n_ctx), tokens.reshape(n_chunk, n_ctx)
 
 
+def ggml_matches_gguf(bin_dir: Path, path: Path) -> list[str]:
+    """Tensors of ``path`` that llama.cpp's own dequantization (ggml's ``to_float`` of each type,
+    from libggml-base) reads differently from the ``gguf`` package's reader, which the main suite
+    proves equal to optc's weights; empty when every one agrees bit for bit."""
+    import ctypes
+
+    from gguf import GGUFReader, dequantize
+
+    class Traits(ctypes.Structure):  # ggml.h: struct ggml_type_traits
+        _fields_ = [("type_name", ctypes.c_char_p), ("blck_size", ctypes.c_int64),
+                    ("blck_size_interleave", ctypes.c_int64), ("type_size", ctypes.c_size_t),
+                    ("is_quantized", ctypes.c_bool), ("to_float", ctypes.c_void_p), ("from_float_ref", ctypes.c_void_p)]
+
+    to_float = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
+    lib = ctypes.CDLL(str(next(bin_dir.glob("libggml-base.so*"))))
+    lib.ggml_get_type_traits.restype = ctypes.POINTER(Traits)
+    lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
+    differ = []
+    for t in GGUFReader(str(path)).tensors:
+        if t.tensor_type.name in ("F32", "F16"):
+            continue
+        raw = np.ascontiguousarray(t.data)
+        out = np.empty(int(t.n_elements), dtype=np.float32)
+        to_float(lib.ggml_get_type_traits(int(t.tensor_type)).contents.to_float)(
+            raw.ctypes.data, out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
+        if not np.array_equal(out, dequantize(raw, t.tensor_type).reshape(-1)):
+            differ.append(t.name)
+    return differ
+
+
 @torch.inference_mode()
 def llama_protocol_ppl(model: torch.nn.Module, chunks: np.ndarray, bos: int | None) -> float:
     """Perplexity as perplexity.cpp computes it: each chunk's first token replaced by BOS when the
@@ -146,6 +178,8 @@ def main() -> None:
         path = files[qtype]
         text = run([str(args.bin / "llama-perplexity"), "-m", str(path), "-c", str(n_ctx), *threads,
                     "--kl-divergence-base", str(base), "--kl-divergence"], args.out / f"{qtype}.kld.log")
+        if differ := ggml_matches_gguf(args.bin, path):
+            failures.append(f"{qtype}: llama.cpp dequantizes {len(differ)} tensor(s) differently, {differ[0]} first")
         reread = load_checkpoint(str(path))
         add_bos = bool(getattr(reread.tokenizer, "add_bos_token", False))
         optc_ppl = llama_protocol_ppl(reread.model, chunks, reread.tokenizer.bos_token_id if add_bos else None)
