@@ -163,3 +163,18 @@ def test_error_falls_with_bits_and_importance_is_honoured(weights) -> None:
 def test_rows_that_are_not_whole_super_blocks_are_refused() -> None:
     with pytest.raises(ValueError, match="K=576"):
         kquant(torch.zeros(2, 576), "q4_k")
+
+
+@pytest.mark.parametrize(("kind", "bits", "with_min"), [("q4_0", 4, False), ("q5_0", 5, False), ("q8_0", 8, False),
+                                                        ("q4_1", 4, True), ("q5_1", 5, True)])
+def test_32_weight_blocks_by_the_weighted_search_beat_round_to_nearest(weights, kind, bits, with_min) -> None:
+    from optc.compress.kquant import block32_quant
+    from optc.export.gguf_format import encode_blocks
+
+    w = weights[[0, 3, 4, 5]]
+    imp = torch.rand(512) ** 3 * 10 + 0.01
+    t = gguf.GGMLQuantizationType[kind.upper()]
+    ours = gguf.quants.dequantize(encode_blocks(*block32_quant(w, bits, with_min, imp), kind), t)
+    rtn = gguf.quants.dequantize(gguf.quants.quantize(w.numpy(), t), t)
+    err = lambda x: float(((torch.from_numpy(x) - w).square() * imp).sum())  # noqa: E731
+    assert err(ours) < err(rtn)

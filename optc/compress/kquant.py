@@ -277,3 +277,36 @@ def kdequant(kq: KQuant) -> torch.Tensor:
         off = (kq.dmin.float()[..., None] * kq.m.float())[..., None]
         return (step * u - off).reshape(n, k)
     return (step * (u - 2 ** (kt.bits - 1))).reshape(n, k)
+
+
+def block32_quant(w: torch.Tensor, bits: int, with_min: bool, importance: torch.Tensor | None = None,
+                  rows: int = 2048) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``w`` ([N, K], K a multiple of 32) on GGUF's 32-weight types (Q4_0/Q5_0/Q8_0 centred,
+    Q4_1/Q5_1 with a min) by the same importance-weighted least-squares search per block as the
+    k-quants' sub-blocks: stored codes ``u`` ([N, K] uint8), float16 ``d`` and, with a min, the
+    block's min ``m`` (``x = d * u + m``) ([N, K/32] each)."""
+    kt = KType(bits, 32, with_min, 8, 0)
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"32-weight blocks need K divisible by 32; K={k}")
+    imp = torch.ones(k) if importance is None else importance.float().cpu().clamp_min(0)
+    imp = imp / imp.mean().clamp_min(1e-30) + 1e-6
+    us, ds, ms = [], [], []
+    for r0 in range(0, n, rows):
+        x = w[r0:r0 + rows].detach().float().cpu().reshape(-1, k // 32, 32)
+        wt = imp.reshape(1, k // 32, 32).expand_as(x)
+        s, o = _fit_subblocks(x, wt, kt)
+        d = s.to(torch.float16)
+        step = d.float()[..., None]
+        safe = torch.where(step != 0, step, torch.ones_like(step))
+        if with_min:
+            m = (-o).to(torch.float16)
+            u = ((x - m.float()[..., None]) / safe).round_().clamp_(0, kt.levels)
+            ms.append(m.reshape(-1, k // 32))
+        else:
+            half = 2 ** (bits - 1)
+            u = (x / safe).round_().clamp_(-half, half - 1).add_(half)
+        u = torch.where(step != 0, u, torch.full_like(u, 0 if with_min else 2 ** (bits - 1)))
+        us.append(u.to(torch.uint8).reshape(-1, k))
+        ds.append(d.reshape(-1, k // 32))
+    return torch.cat(us), torch.cat(ds), torch.cat(ms) if with_min else None

@@ -519,8 +519,8 @@ def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: 
     and say so). With one block type the embeddings and an untied output head stay float16 (the
     input embedding Q8_0 with ``embedding_bits=8``); a mix types them as llama.cpp does. Norms
     are float32. ``imatrix`` (llama.cpp's importance matrix, checked against the model) weighs the
-    rounding of every matrix quantized here: the k-quant solver's, and for the 32-weight types an
-    importance-weighted MSE search on the type's own grid instead of plain round-to-nearest.
+    rounding of every matrix quantized here: the k-quant solver's, and for the 32-weight types the
+    same weighted least-squares search per block instead of plain round-to-nearest.
     """
     import gguf
     import torch
@@ -622,9 +622,7 @@ def _tensor_data(t: torch.Tensor, how: str | None, tt: TensorType | None, p: Qua
     import gguf
     import numpy as np
 
-    from optc.compress.kquant import K_TYPES, kquant
-    from optc.compress.quant import choose_qparams, fake_quantize
-    from optc.compress.schemes import QuantScheme
+    from optc.compress.kquant import K_TYPES, block32_quant, kquant
 
     if how in ("exact", "rounded", "requantized"):
         kind = _ggml_type(tt.qtype)
@@ -634,11 +632,9 @@ def _tensor_data(t: torch.Tensor, how: str | None, tt: TensorType | None, p: Qua
             return encode_blocks(*block_codes(t, p, tt.qtype, name), tt.qtype), kind
         if tt.qtype in K_TYPES:
             return encode_kblocks(kquant(t.detach().float(), tt.qtype, importance)), kind
-        if importance is not None:  # the type's grid, searched under the importance, stored exactly
-            bits, symmetric, group, _ = TYPE_SCHEMES[tt.qtype]
-            w = t.detach().float()
-            grid = choose_qparams(w, QuantScheme(bits=bits, symmetric=symmetric, group_size=group), "mse", importance)
-            return encode_blocks(*block_codes(fake_quantize(w, grid), grid, tt.qtype, name), tt.qtype), kind
+        if importance is not None:  # the importance-weighted least-squares search, per 32-weight block
+            bt = GGUF_TYPES[tt.qtype]
+            return encode_blocks(*block32_quant(t.detach().float(), bt.bits, bt.with_min, importance), tt.qtype), kind
         return gguf.quants.quantize(t.detach().float().cpu().numpy(), kind), kind
     w = t.detach().float().cpu().numpy()
     # Norms and biases stay float32 (llama.cpp keeps 1-D tensors so); matrices float16.
