@@ -68,8 +68,22 @@ llama-cpp: $(LLAMA_BIN)/llama-perplexity
 
 # optc's Q4_0 / Q4_K_M / Q3_K_M / Q2_K files against llama-quantize with and without llama-imatrix,
 # judged by llama-perplexity --kl-divergence and llama-bench (run alone for the speeds)
-bench-llama-cpp: install $(LLAMA_BIN)/llama-perplexity
-	$(PY) interop/llama_cpp_targets.py --bin $(LLAMA_BIN) --out out/bench/llama-cpp-targets
+# The KLD base: an F32 GGUF of the float model by llama.cpp's own convert_hf_to_gguf.py (its own
+# venv: it needs sentencepiece).
+CONVERT_VENV ?= $(OPTC_CACHE)/convert-venv
+$(CONVERT_VENV)/.installed:
+	python3 -m venv $(CONVERT_VENV)
+	$(CONVERT_VENV)/bin/pip install -q sentencepiece numpy "torch==2.13.0" safetensors transformers pyyaml
+	touch $@
+
+bench-llama-cpp: install $(LLAMA_BIN)/llama-perplexity $(CONVERT_VENV)/.installed
+	mkdir -p out/bench/llama-cpp-targets
+	src="$$($(PYTHON) interop/fetch_llama_cpp.py $(LLAMA_CPP))"; \
+	PYTHONPATH="$$src/gguf-py" $(CONVERT_VENV)/bin/python "$$src/convert_hf_to_gguf.py" \
+		"$$($(PY) -c 'from optc.model.load import builtin_model_dir; print(builtin_model_dir())')" \
+		--outtype f32 --outfile out/bench/llama-cpp-targets/f32.gguf
+	$(PY) interop/llama_cpp_targets.py --bin $(LLAMA_BIN) --out out/bench/llama-cpp-targets \
+		--base out/bench/llama-cpp-targets/f32.gguf
 
 test-interop: install $(VLLM_VENV)/.installed $(GPTQ_VENV)/.installed $(LLAMA_BIN)/llama-perplexity
 	$(PY) interop/prepare.py --out $(INTEROP_OUT)

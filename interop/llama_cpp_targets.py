@@ -7,7 +7,8 @@ For each of Q4_0, Q4_K_M, Q3_K_M and Q2_K, on the default model:
   chunks of 512 tokens of WikiText-2 validation);
 - optc: the recipe ``gguf-<type>`` (GPTQ on every tensor's type grid, the same 128 x 512 tokens);
 
-then ``llama-perplexity --kl-divergence`` against the F16 file's logits on WikiText-2 raw test
+then ``llama-perplexity --kl-divergence`` against the logits of ``--base`` (an F32 GGUF of the
+float model by llama.cpp's ``convert_hf_to_gguf.py``; default optc's F16 export) on WikiText-2 raw test
 (``-c 2048``, the first ``--chunks`` chunks) and ``llama-bench`` (batch 1, prompt 128, 32 new
 tokens). Writes ``llama_cpp_targets.md`` in ``--out``:
 
@@ -57,6 +58,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--types", nargs="+", choices=TARGETS, default=TARGETS)
     ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--base", type=Path, help="GGUF whose logits are the KLD base (default: the F16 export)")
     args = ap.parse_args()
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -68,7 +70,7 @@ def main() -> None:
         subprocess.run([*optc, "export", "smollm2-135m", "--format", "gguf-f16", "--output", str(f16.parent),
                         "--overwrite"], check=True)
     base = out / "f16.kld"
-    run([str(args.bin / "llama-perplexity"), "-m", str(f16), "-f", str(test), "-c", "2048", "--chunks",
+    run([str(args.bin / "llama-perplexity"), "-m", str(args.base or f16), "-f", str(test), "-c", "2048", "--chunks",
          str(args.chunks), *threads, "--kl-divergence-base", str(base)], out / "f16.base.log")
     imatrix = out / "imatrix.gguf"
     run([str(args.bin / "llama-imatrix"), "-m", str(f16), "-f", str(valid), "-c", "512", "--chunks", "128",
