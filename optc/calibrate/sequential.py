@@ -209,6 +209,19 @@ class LayerStep:
             distributed.reduce_all(accs)  # torchrun: statistics of every rank's samples
         return {**accs, **{n: accs[a] for n, a in alias.items()}}
 
+    def observe(self, accs: Mapping[str, Accumulator]) -> None:
+        """Run the layer on every batch for hooks the solver attached itself, feeding ``accs``
+        (outputs dropped; a hook may end a batch early by raising :class:`StopForward` once it
+        has what it needs), then reduce ``accs`` across processes as :meth:`collect` does."""
+        self.forwards += 1
+        with torch.inference_mode():
+            for b in self.batches:
+                try:
+                    _call_layer(self.layer, b, self.autocast)
+                except StopForward:
+                    pass
+            distributed.reduce_all(accs)
+
     def input_groups(self, names: list[str]) -> list[list[str]]:
         """The named Linears grouped by the input tensor they share (q/k/v, gate/up), groups in
         the order the layer reads those inputs and each group in ``names`` order; found from the

@@ -180,6 +180,48 @@ class ActivationScheme(BaseModel):
         return f"{grid} static per-{self.strategy} ({detail})"
 
 
+class KVCacheScheme(BaseModel):
+    """How the attention's key and value cache is quantized: one static scale per decoder layer
+    for the keys (after the rotary embedding) and one for the values. Used directly as a
+    recipe field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bits: Literal[8] = 8
+    type: Literal["int", "float"] = Field("float", description="FP8 E4M3 (float) or int8")
+    observer: ObserverName = Field(
+        "minmax", description="how each layer's scale is chosen: minmax, moving_minmax, percentile, mse or kl"
+    )
+    percentile: float = Field(99.99, description="percentile observer: share of |x| kept, in (0, 100]")
+    averaging_constant: float = Field(0.01, gt=0, le=1, description="moving_minmax: EMA constant")
+
+    @field_validator("percentile")
+    @classmethod
+    def _percentile_range(cls, v: float) -> float:
+        if not 0 < v <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> KVCacheScheme:
+        if self.type == "float" and self.observer in ("mse", "kl"):
+            raise ValueError(f"the {self.observer} observer searches an int8 grid; FP8 cache scales take "
+                             "minmax, moving_minmax or percentile")
+        return self
+
+    def activation_scheme(self) -> ActivationScheme:
+        """The same grid and observer as a static per-tensor activation scheme (what the
+        observers and the fake quantization take)."""
+        return ActivationScheme(bits=self.bits, type=self.type, strategy="tensor", dynamic=False,
+                                observer=self.observer, percentile=self.percentile,
+                                averaging_constant=self.averaging_constant)
+
+    def label(self) -> str:
+        grid = f"int{self.bits}" if self.type == "int" else "fp8-e4m3"
+        detail = f"{self.observer} {self.percentile:g}" if self.observer == "percentile" else self.observer
+        return f"{grid} per-layer ({detail})"
+
+
 def parse_pattern(pattern: str) -> tuple[int, int]:
     """``"2:4"`` -> ``(2, 4)``, refusing patterns that keep nothing or everything."""
     try:

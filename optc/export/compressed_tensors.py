@@ -107,20 +107,26 @@ def _read(path: Path, dtype: torch.dtype):
     """pack-quantized and int-quantized (W8A8) alike; stored activation scales are attached
     again, so the model evaluates with its activations quantized as a runtime would."""
     from optc.compress.actquant import attach_input_quant
+    from optc.compress.kvquant import attach_kv_quant
     from optc.export.ct_int import read_compressed_tensors
+    from optc.export.ct_pack import read_kv_quant
     from optc.export.reading import load_dequantized
     from optc.model.load import CheckpointRead
 
     input_quant: dict = {}
+    kv_quant: dict = {}
 
     def read(directory: Path):
         state, qparams, found = read_compressed_tensors(directory)
         input_quant.update(found)
+        kv_quant.update(read_kv_quant(directory, state))
         return state, qparams
 
     model, qparams = load_dequantized(Path(path), dtype, read)
     for name, iq in input_quant.items():
         attach_input_quant(model.get_submodule(name), iq)
+    for name, kq in kv_quant.items():
+        attach_kv_quant(model.get_submodule(name), kq)
     masks, nm = sparsity_masks(path, model)
     return CheckpointRead(model, qparams, masks, nm)
 
@@ -200,6 +206,7 @@ print(llm.generate("The capital of France is")[0].outputs[0].text)
 ```
 """,
     holds_activations=True,
+    holds_kv_cache=True,
     sparsity_metadata=True,
     quantized=_quantized,
 )

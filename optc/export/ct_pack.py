@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from pydantic import ValidationError
 
 from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize
 from optc.errors import OptcError
@@ -157,6 +158,50 @@ def pack_linear(
     return pack_weight(name, module.weight, p, group_size)
 
 
+def kv_cache_args(src: ExportSource) -> dict | None:
+    """The ``kv_cache_scheme`` block (compressed-tensors ``QuantizationArgs``, as dumped) of the
+    model's KV-cache quantization, or None; one scheme for the whole model."""
+    schemes = {kq.scheme for kq in src.kv_quant.values()}
+    if not schemes:
+        return None
+    if len(schemes) > 1:
+        raise OptcError(f"compressed-tensors holds one kv_cache_scheme per checkpoint; the model has "
+                        f"{', '.join(sorted(s.label() for s in schemes))}")
+    scheme = schemes.pop()
+    return {"num_bits": scheme.bits, "type": scheme.type, "symmetric": True, "group_size": None,
+            "strategy": "tensor", "dynamic": False, "observer": scheme.observer}
+
+
+def read_kv_quant(directory: Path, state: dict[str, torch.Tensor]) -> dict:
+    """Attention module name -> :class:`~optc.compress.kvquant.KVQuant` from a checkpoint's
+    ``kv_cache_scheme`` and its ``k_scale`` / ``v_scale`` tensors (taken out of ``state``)."""
+    from optc.compress.kvquant import KVQuant
+    from optc.compress.schemes import KVCacheScheme
+
+    args = (quantization_config(directory) or {}).get("kv_cache_scheme")
+    scales = {k: state.pop(k) for k in [k for k in state if k.endswith((".k_scale", ".v_scale"))]}
+    if not args:
+        return {}
+    if args.get("num_bits", 8) != 8 or args.get("type", "float") not in ("int", "float") \
+            or not args.get("symmetric", True) or args.get("dynamic", False) \
+            or (args.get("strategy") or "tensor") != "tensor":
+        raise OptcError(f"kv_cache_scheme {args}: only static per-tensor 8-bit symmetric (FP8 or int8) "
+                        "KV caches are supported")
+    try:  # the observer is free text in QuantizationArgs: kept when it is one of optc's
+        scheme = KVCacheScheme(type=args.get("type", "float"), observer=args.get("observer") or "minmax")
+    except ValidationError:
+        scheme = KVCacheScheme(type=args.get("type", "float"))
+    out = {}
+    for name in sorted({k.rpartition(".")[0] for k in scales}):
+        k, v = scales.get(f"{name}.k_scale"), scales.get(f"{name}.v_scale")
+        if k is None or v is None:
+            raise OptcError(f"{name}: kv_cache_scheme needs both {name}.k_scale and {name}.v_scale")
+        out[name] = KVQuant(scheme, k.float().reshape(1), v.float().reshape(1))
+    if not out:
+        raise OptcError("config.json has a kv_cache_scheme but the checkpoint holds no k_scale / v_scale tensors")
+    return out
+
+
 def write_ct_config(src: ExportSource, directory: Path, config_groups: dict, ignore: list[str], fmt: str) -> None:
     """``config.json`` with the block ``ModelCompressor.update_config`` writes."""
     write_config(src, {
@@ -167,7 +212,7 @@ def write_ct_config(src: ExportSource, directory: Path, config_groups: dict, ign
         "config_groups": config_groups,
         "format": fmt,
         "quantization_status": "compressed",
-        "kv_cache_scheme": None,
+        "kv_cache_scheme": kv_cache_args(src),
         "global_compression_ratio": None,
         "ignore": ignore,
     }, directory)

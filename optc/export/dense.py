@@ -31,6 +31,8 @@ def write_dense(model: torch.nn.Module, tokenizer: Any, directory: Path, max_sha
 def _write(src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None, requantize: bool = False) -> dict:
     if src.input_quant:
         log.warning("dense format keeps the fake-quantized weights but not the activation scales")
+    if src.kv_quant:
+        log.warning("dense format keeps the fake-quantized weights but not the KV-cache scales")
     model = getattr(src, "model", None)
     if model is not None and getattr(src, "stored", None) is None:
         write_dense(model, src.tokenizer, directory, "2GB" if max_shard_bytes is None else max_shard_bytes)

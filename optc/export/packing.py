@@ -273,6 +273,11 @@ def splice(src, packed: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, E
             entries.update({f"{mod}.{k}": v for k, v in packed[mod].items()})
         else:
             entries[key] = src.entry(key)
+    # KV-cache scales (compressed-tensors' kv_cache_scheme): one [1] float32 tensor each for
+    # the keys and the values of every attention layer, beside its projections.
+    for name, kq in src.kv_quant.items():
+        entries[f"{name}.k_scale"] = kq.k_scale.reshape(1).float()
+        entries[f"{name}.v_scale"] = kq.v_scale.reshape(1).float()
     return entries
 
 

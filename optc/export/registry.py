@@ -43,6 +43,7 @@ class Format:
     one_scheme: bool = False  # one (bits, symmetric) per checkpoint (gptq, awq)
     needs_quantized: bool = False  # refuses a model with nothing quantized
     holds_activations: bool = False  # stores activation quantization (W8A8)
+    holds_kv_cache: bool = False  # stores KV-cache scales (k_scale / v_scale)
     sparsity_metadata: bool = False  # pruned models get compressed-tensors' sparsity_config
     # Whether a checkpoint detect() claims holds quantized weights (from its config only);
     # None: exactly when needs_quantized.

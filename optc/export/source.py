@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     import torch
 
     from optc.compress.actquant import InputQuant
+    from optc.compress.kvquant import KVQuant
     from optc.compress.quant import QuantParams, QuantScheme
     from optc.model.safetensors_io import Entry
 
@@ -29,6 +30,7 @@ class ExportSource(Protocol):
     head: str | None  # the output embedding module (lm_head), if any
     qparams: Mapping[str, QuantParams]  # Linear module name -> grid
     input_quant: Mapping[str, InputQuant]  # Linear module name -> activation quant (W8A8), may be empty
+    kv_quant: Mapping[str, KVQuant]  # attention module name -> KV-cache scales, may be empty
     masks: Mapping[str, torch.Tensor]  # pruning masks, may be empty
 
     def keys(self) -> list[str]:
@@ -68,7 +70,7 @@ class ModelSource:
 
     def __init__(self, model: Any, tokenizer: Any | None = None, qparams: Mapping | None = None,
                  input_quant: Mapping | None = None, masks: Mapping | None = None,
-                 stored: StoredTensors | None = None) -> None:
+                 stored: StoredTensors | None = None, kv_quant: Mapping | None = None) -> None:
         import torch
 
         self.model = model
@@ -76,6 +78,7 @@ class ModelSource:
         self.tokenizer = tokenizer
         self.qparams = qparams if qparams is not None else {}
         self.input_quant = input_quant if input_quant is not None else {}
+        self.kv_quant = kv_quant if kv_quant is not None else {}
         self.masks = masks if masks is not None else {}
         self.config = getattr(model, "config", None)
         self.generation_config = getattr(model, "generation_config", None)
@@ -161,10 +164,14 @@ def integer_grid(scheme: QuantScheme | None, fmt: str) -> str | None:
 
 
 def refuse_activations(src: ExportSource, fmt: str) -> None:
-    """Weight-only formats: a model that also quantizes activations would lose them silently."""
+    """Weight-only formats: a model that also quantizes activations or its KV cache would lose
+    them silently."""
     if src.input_quant:
         raise OptcError(f"export format {fmt} stores weight-only quantization; this recipe also "
                         "quantizes activations (use compressed-tensors)")
+    if src.kv_quant:
+        raise OptcError(f"export format {fmt} stores weight-only quantization; this recipe also "
+                        "quantizes the KV cache (use compressed-tensors)")
 
 
 def save_tokenizer(src: ExportSource, directory: Any) -> None:
@@ -192,6 +199,7 @@ class CastSource:
         self.head = inner.head
         self.qparams = inner.qparams
         self.input_quant = inner.input_quant
+        self.kv_quant = inner.kv_quant
         self.masks = inner.masks
         self.stored = getattr(inner, "stored", None)  # tensors on disk (a streamed model), if any
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 if TYPE_CHECKING:
     from optc.methods.workspace import Workspace
 
-Kind = Literal["quantize", "prune", "transform", "recover"]
+Kind = Literal["quantize", "prune", "transform", "recover", "cache"]
 KINDS: tuple[str, ...] = get_args(Kind)
 
 
@@ -29,10 +29,13 @@ class Method:
     ``kind`` is what the command line's flags address: ``quantize`` (``--bits``,
     ``--group-size``, ``--method`` of ``optc quantize``; its config has ``scheme``,
     ``scheme_for(name)`` and ``planned_schemes()``), ``prune``, ``transform`` (changes the float
-    model without compressing it, e.g. SmoothQuant) or ``recover``. ``streams``: can run on a
+    model without compressing it, e.g. SmoothQuant), ``recover`` or ``cache`` (quantizes the
+    attention's key/value cache at run time). ``streams``: can run on a
     streamed model, one decoder layer in memory at a time. ``saves_layers``: its finished layers
     are saved as it goes, so an interrupted run resumes after the last one saved.
     ``accumulators``: the calibration statistics it collects (documentation and inspection).
+    ``check(model, config)``: refuses, before any stage runs, a model the method cannot work on
+    (raises :class:`~optc.errors.OptcError` with the reason).
     """
 
     name: str
@@ -42,6 +45,7 @@ class Method:
     streams: bool = False
     saves_layers: bool = False
     accumulators: tuple[str, ...] = ()
+    check: Callable[[Any, Any], None] | None = None
 
 
 # In registration order: the built-ins in optc.methods' order, then any registered later.

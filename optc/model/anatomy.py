@@ -7,6 +7,7 @@ are ``nn.Linear`` and transformers' ``Conv1D`` (GPT-2), selected with regex ``ta
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Iterable
 
@@ -18,6 +19,8 @@ from optc.errors import OptcError
 from optc.model.patterns import check_patterns  # noqa: F401 - defined torch-free, re-exported
 
 LINEAR_TYPES = (nn.Linear, Conv1D)
+# The name of the KV-cache argument of an attention forward, newest transformers first.
+CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
 
 
 def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
@@ -30,6 +33,21 @@ def find_decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList]:
     if best is None:
         raise OptcError(f"no decoder layers found in {type(model).__name__}")
     return best
+
+
+def cache_argument(module: nn.Module) -> str | None:
+    """The name under which ``module``'s forward takes the KV cache, or None."""
+    params = inspect.signature(module.forward).parameters
+    return next((n for n in CACHE_ARGUMENTS if n in params), None)
+
+
+def attention_modules(layer: nn.Module, prefix: str = "") -> dict[str, nn.Module]:
+    """The attention modules of a decoder layer (full names with ``prefix``): the innermost
+    modules whose forward takes the KV cache (the layer passes its own cache argument down)."""
+    takes = {n: m for n, m in layer.named_modules() if cache_argument(m) is not None}
+    inner = {n: m for n, m in takes.items()
+             if not any(o != n and o.startswith(f"{n}." if n else "") for o in takes)}
+    return {".".join(p for p in (prefix, n) if p): m for n, m in inner.items()}
 
 
 def is_linear(module: nn.Module) -> bool:

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from optc.calibrate.distributed import is_main_process, process_group
 from optc.compress.actquant import input_quant_of
+from optc.compress.kvquant import kv_quant_of
 from optc.data import check_dataset, check_disjoint, dataset_path
 from optc.errors import OptcError
 from optc.evaluate.perplexity import perplexity
@@ -29,7 +30,7 @@ from optc.evaluate.size import size_metrics
 from optc.export.compressed_tensors import sparsity_config, write_sparsity_config
 from optc.export.checkpoint import check_free_space, check_output, check_float_widths, check_stored_bits, claimed_output
 from optc.export.checkpoint import directory_bytes, estimate_checkpoint_bytes, staged_output
-from optc.export.formats import check_schemes, get_format
+from optc.export.formats import FORMATS, check_schemes, get_format
 from optc.export.load import load_checkpoint as load_model
 from optc.export.source import CastSource, ExportSource, ModelSource, stored_dtype
 from optc.model.load import local_path
@@ -192,6 +193,9 @@ def _run_claimed(
                         "Linear on its own scheme")
     for stage in recipe.stages:  # a method that cannot take the format's grids is refused before any calibration
         _format_grids(stage, loaded.model, fmt)
+        check = METHODS[stage.type].check
+        if check is not None:  # nor a model it cannot work on
+            check(loaded.model, stage)
     for i, stage in budgets.items():  # an impossible target is refused before any calibration
         plan_budget(loaded.model, stage, get_format(recipe.export.format), torch.finfo(dtype).bits,
                     loaded.qparams, f"stage {i} ({stage.type})")
@@ -260,7 +264,8 @@ def _run_claimed(
             src = streamed_source(loaded, reader, ws.store)
             report["metrics"].update(parameters=counts[0], nonzero=counts[1])
         else:
-            src = ModelSource(ws.model, ws.tokenizer, ws.qparams, input_quant_of(ws.model), ws.masks)
+            src = ModelSource(ws.model, ws.tokenizer, ws.qparams, input_quant_of(ws.model), ws.masks,
+                              kv_quant=kv_quant_of(ws.model))
             report["metrics"].update(count_parameters(model))
         if cfg is not None:
             report["metrics"]["perplexity_compressed"] = (
@@ -440,7 +445,13 @@ def export_checkpoint(src: ExportSource, fmt: str, directory: Path, max_shard_si
 def check_recipe_export(recipe: Recipe) -> None:
     """Refuse, before any calibration, a recipe whose schemes its export format cannot hold."""
     check_schemes(recipe.export.format, declared_schemes(recipe.stages))
-    refusal = get_format(recipe.export.format).embedding_8bit
+    fmt = get_format(recipe.export.format)
+    for i, stage in enumerate(recipe.stages):
+        if METHODS[stage.type].kind == "cache" and not fmt.holds_kv_cache:
+            holders = ", ".join(f.name for f in FORMATS.values() if f.holds_kv_cache)
+            raise OptcError(f"export format {fmt.name}: stage {i} ({stage.type}) quantizes the KV cache, which "
+                            f"{fmt.name} cannot store (use {holders})")
+    refusal = fmt.embedding_8bit
     if recipe.export.embedding_bits == 8 and refusal is not None:
         raise OptcError(f"export format {recipe.export.format}: embedding_bits 8 is refused: {refusal}")
 
