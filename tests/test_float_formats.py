@@ -14,7 +14,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from optc.compress import fpquant
-from optc.compress.actquant import ActivationScheme, InputQuant, dynamic_scale, fake_quantize_activation
+from optc.compress.actquant import ActivationScheme, InputQuant, dynamic_scale, fake_quantize_activation, quantize_input
 from optc.compress.gptq import gptq_quantize
 from optc.compress.quant import QuantScheme, compute_qparams, fake_quantize, quantize
 from optc.errors import OptcError
@@ -284,3 +284,87 @@ def test_non_dividing_rows_are_refused_before_calibration(default_tokenizer, tmp
     assert "nvfp4-g16 needs in_features divisible by 16: model.layers.0.mlp.down_proj has 200" in result.output
     assert "(and 1 more Linears)" in result.output and "stage 0" not in result.output
     assert not (tmp_path / "out").exists()
+
+
+NVFP4_ACT = ActivationScheme(bits=4, type="float", strategy="group", group_size=16, dynamic=True)
+
+
+def test_nvfp4_activations_match_compressed_tensors() -> None:
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from optc.compress.actquant import fake_quantize_nvfp4, nvfp4_input_global_scale
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 96, generator=g) * 2
+    x[0, 1, 16:32] = 0  # an all-zero group: compressed-tensors gives it E4M3's eps as its scale
+    x[1, 2, 40] = 30.0  # above the calibrated range: its group scale saturates at 448
+    gs = nvfp4_input_global_scale(12.0)
+    assert torch.allclose(gs, torch.tensor([448 * 6 / 12.0]))
+    args = ct_args.QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16,
+                                    symmetric=True, dynamic="local", scale_dtype=torch.float8_e4m3fn,
+                                    zp_dtype=torch.float8_e4m3fn)
+    scale, _ = compute_dynamic_scales_and_zp(x, args, module=torch.nn.Identity(), global_scale=gs)
+    ours = fake_quantize_nvfp4(x, gs)
+    assert torch.equal(ours, ct_fake_quantize(x, scale, None, args, global_scale=gs))
+    assert ours[1, 2, 40] == pytest.approx(12.0)  # clipped at the calibrated amax
+    assert ours[0, 1, 16:32].abs().sum() == 0
+    with pytest.raises(ValueError, match="divisible by 16"):
+        fake_quantize_nvfp4(torch.randn(2, 40), gs)
+
+
+def test_nvfp4_activations_load_in_transformers(tmp_path: Path) -> None:
+    """W4A4 NVFP4 written by optc: compressed-tensors' forward (its own dynamic group scales
+    under our input_global_scale) gives the logits of optc's fake-quantized model."""
+    from optc.compress.actquant import attach_input_quant, nvfp4_input_global_scale
+
+    model = tiny_model("llama")
+    qparams = fake_quantize_model(model, _divisible(NVFP4))
+    modules = dict(model.named_modules())
+    iq = {n: InputQuant(NVFP4_ACT, global_scale=nvfp4_input_global_scale(2.5 + i / 10))
+          for i, n in enumerate(qparams) if qparams[n].scheme == NVFP4}
+    for n, q in iq.items():
+        attach_input_quant(modules[n], q)
+    write_int_quantized(model, qparams, iq, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    acts = [g["input_activations"] for g in qc["config_groups"].values() if g["input_activations"]]
+    assert [(a["num_bits"], a["strategy"], a["dynamic"], a["group_size"]) for a in acts] == \
+        [(4, "tensor_group", "local", 16)]
+    m = "model.layers.0.self_attn.q_proj"
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert torch.equal(f.get_tensor(f"{m}.input_global_scale"), iq[m].global_scale)
+    _, _, read = read_compressed_tensors(tmp_path)
+    assert {n: (r.scheme, r.global_scale.tolist()) for n, r in read.items()} == \
+        {n: (r.scheme, r.global_scale.tolist()) for n, r in iq.items()}
+
+    # compressed-tensors decompresses NVFP4 weights in bfloat16 and runs them there. Four-bit
+    # inputs turn one bfloat16 ulp into another code, which two random layers amplify (optc's
+    # own model in bfloat16 against float32: logits 0.1 apart), so each Linear is compared alone:
+    # the same bfloat16 input gives the same output bit for bit.
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        loaded(tiny_tokens(1, 4))  # its Linears take their decompressed weights on a first forward
+    theirs = dict(loaded.named_modules())
+    x = torch.randn(2, 9, 96, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16) * 3
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.1.mlp.gate_proj"):
+        mod = modules[name]
+        with torch.no_grad():
+            want = torch.nn.functional.linear(quantize_input(x[..., :mod.in_features], iq[name]),
+                                              mod.weight.to(torch.bfloat16))
+            got = theirs[name](x[..., :mod.in_features])
+            weights_only = torch.nn.functional.linear(x[..., :mod.in_features], mod.weight.to(torch.bfloat16))
+        assert torch.equal(got, want), name
+        assert not torch.allclose(weights_only, want, rtol=1e-2, atol=1e-2), name
+
+
+def test_nvfp4_activation_refusals() -> None:
+    from optc.methods.w8a8 import W8A8Stage
+
+    with pytest.raises(ValidationError, match="4-bit activations are NVFP4"):
+        ActivationScheme(bits=4, type="float", strategy="token", dynamic=True)
+    with pytest.raises(ValidationError, match="4-bit activations are NVFP4"):
+        ActivationScheme(bits=4, type="float", strategy="group", group_size=32, dynamic=True)
+    with pytest.raises(ValidationError, match="mse observer searches an int8 grid"):
+        ActivationScheme(bits=4, type="float", strategy="group", group_size=16, dynamic=True, observer="mse")
+    with pytest.raises(ValidationError, match="weights are NVFP4 too; scheme is int8"):
+        W8A8Stage(type="w8a8", activations=NVFP4_ACT)
+    W8A8Stage(type="w8a8", activations=NVFP4_ACT, scheme=NVFP4)

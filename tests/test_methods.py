@@ -25,7 +25,7 @@ from optc.testing import tiny_model
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
 BUILTIN = ["rtn", "gptq", "awq", "signround", "magnitude", "wanda", "sparsegpt", "structured", "smoothquant", "w8a8",
-           "recover"]
+           "kv_cache", "recover"]
 
 
 def _error_line(args: list[str]) -> str:
@@ -59,6 +59,7 @@ def test_builtin_methods_say_what_they_are() -> None:
     assert methods_of_kind("quantize") == ["rtn", "gptq", "awq", "signround", "w8a8"]
     assert methods_of_kind("prune") == ["magnitude", "wanda", "sparsegpt", "structured"]
     assert methods_of_kind("transform") == ["smoothquant"] and methods_of_kind("recover") == ["recover"]
+    assert methods_of_kind("cache") == ["kv_cache"]
     assert [n for n in BUILTIN if METHODS[n].streams] == ["rtn", "gptq", "awq", "signround"]
     assert [n for n in BUILTIN if METHODS[n].saves_layers] == ["gptq", "awq"]
     assert "hessian" in METHODS["gptq"].accumulators and METHODS["rtn"].accumulators == ()

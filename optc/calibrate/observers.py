@@ -23,7 +23,7 @@ import math
 import torch
 
 from optc.calibrate.stats import InputSampler
-from optc.compress.actquant import InputQuant, half_range, quantize_input, scale_from_threshold, sqnr_db
+from optc.compress.actquant import InputQuant, nvfp4_input_global_scale, quantize_input, scale_from_threshold, sqnr_db
 from optc.compress.schemes import OBSERVERS, ActivationScheme, ObserverName  # noqa: F401 - torch-free for the recipe schema
 
 DEFAULT_BINS = 2048
@@ -372,10 +372,13 @@ def clipped_fraction(hist: torch.Tensor, edges: torch.Tensor, threshold: float) 
 
 def solve_input_quant(scheme: ActivationScheme, stats: ActivationStats | None) -> InputQuant:
     """The input quantization ``scheme`` prescribes, static scales chosen by its observer."""
-    if scheme.dynamic:
+    if scheme.dynamic and not scheme.tensor_group:
         return InputQuant(scheme)
     if stats is None:
         raise ValueError("static activation scales need calibration statistics")
+    if scheme.tensor_group:
+        t = threshold_for(scheme.observer, stats, percentile=scheme.percentile)
+        return InputQuant(scheme, global_scale=nvfp4_input_global_scale(t))
     t = threshold_for(scheme.observer, stats, bits=scheme.bits, percentile=scheme.percentile)
     return InputQuant(scheme, scale_from_threshold(t, scheme.bits, scheme.type == "float"))
 
@@ -411,8 +414,8 @@ def calibration_summary(
         "input_sqnr_db": _json_db(sqnr_db(x, x_hat)),
         "output_sqnr_db": _json_db(sqnr_db(x @ w.T, x_hat @ w_hat.T)),
     }
-    if iq.scale is not None:
-        t = float(iq.scale) * half_range(iq.scheme.bits, iq.scheme.type == "float")
+    t = iq.threshold()
+    if t is not None:
         out.update(
             threshold=round(t, 6),
             clip_ratio=round(t / absmax, 6) if absmax > 0 else 1.0,

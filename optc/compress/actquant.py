@@ -8,6 +8,12 @@ compressed-tensors' own forward) computes:
 - **dynamic per-tensor** / **per-token**: ``s`` computed from the tensor, or from each token's
   row, at run time (``s = max|x| / ((2^b - 1) / 2)``, FP8 ``max|x| / 448``), nothing stored.
 
+- **NVFP4** (dynamic per group of 16 under a static tensor scale): a calibrated FP32
+  ``g = 448 * 6 / amax`` per Linear input (``input_global_scale`` on disk); at run time each
+  group's scale ``s = round_e4m3(g * max|x_group| / 6)`` and ``x = round_e2m1(x / (s / g)) * s / g``
+  (compressed-tensors' ``calculate_qparams`` and ``_quantize`` for ``tensor_group`` with dynamic
+  ``local``, the order of its float operations kept).
+
 The grid is compressed-tensors' symmetric one (``amax`` maps to ``(2^b - 1) / 2``), so a
 checkpoint reloaded by transformers + compressed-tensors computes the same logits.
 Fake-quantization is attached as a forward pre-hook that stays on the module until
@@ -22,22 +28,62 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from optc.compress.fpquant import E4M3_MAX, round_e4m3
-from optc.compress.schemes import ActivationScheme  # noqa: F401 - defined torch-free, re-exported
+from optc.compress.fpquant import E4M3_MAX, round_e2m1_, round_e4m3
+from optc.compress.schemes import FLOAT_MAX, ActivationScheme  # noqa: F401 - defined torch-free, re-exported
 
 _HOOK_ATTR = "_optc_input_quant"
 
 
+# compressed-tensors replaces a zero E4M3 group scale by float8_e4m3fn's eps.
+_E4M3_EPS = 0.125
+
+
 @dataclass
 class InputQuant:
-    """Solved input quantization of one Linear: ``scale`` [1] when static, else None."""
+    """Solved input quantization of one Linear: ``scale`` [1] when static, else None;
+    ``global_scale`` [1] for NVFP4's tensor scale (its group scales are dynamic)."""
 
     scheme: ActivationScheme
     scale: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.scheme.dynamic != (self.scale is None):
             raise ValueError("static activation quantization needs a scale; dynamic takes none")
+        if self.scheme.tensor_group != (self.global_scale is not None):
+            raise ValueError("NVFP4 activations need a calibrated tensor scale; other schemes take none")
+
+    def threshold(self) -> float | None:
+        """The calibrated clipping threshold ``max|x|`` maps to, or None when fully dynamic."""
+        if self.global_scale is not None:
+            return E4M3_MAX * FLOAT_MAX[4] / float(self.global_scale)
+        if self.scale is not None:
+            return float(self.scale) * half_range(self.scheme.bits, self.scheme.type == "float")
+        return None
+
+
+def nvfp4_input_global_scale(threshold: float) -> torch.Tensor:
+    """NVFP4's static tensor scale ``448 * 6 / amax`` [1] (compressed-tensors' ``generate_gparam``;
+    a zero range gives 1)."""
+    g = E4M3_MAX * FLOAT_MAX[4] / threshold if threshold > 0 else 1.0
+    return torch.tensor([g if math.isfinite(g) else 1.0], dtype=torch.float32)
+
+
+def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, group_size: int = 16) -> torch.Tensor:
+    """NVFP4 activation fake quantization of ``x`` ([..., K], ``K`` a multiple of ``group_size``),
+    in ``x``'s dtype, with compressed-tensors' operations in their order."""
+    if x.shape[-1] % group_size:
+        raise ValueError(f"NVFP4 activations need a width divisible by {group_size}, got {x.shape[-1]}")
+    # The group maximum over 6 in x's dtype, the rest in float32 (the FP32 tensor scale promotes
+    # it there in compressed-tensors), the result back in x's dtype.
+    g = global_scale.to(x.device, torch.float32)
+    xg = x.unflatten(-1, (x.shape[-1] // group_size, group_size))
+    amax = xg.abs().amax(dim=-1, keepdim=True)
+    s = round_e4m3(g * (amax / FLOAT_MAX[4]))
+    s = torch.where(s == 0, torch.full_like(s, _E4M3_EPS), s)
+    step = s / g
+    q = round_e2m1_((xg / step).clamp_(-FLOAT_MAX[4], FLOAT_MAX[4]))
+    return (q * step).flatten(-2).to(x.dtype)
 
 
 def half_range(bits: int, float_grid: bool = False) -> float:
@@ -73,6 +119,8 @@ def fake_quantize_activation(
 
 def quantize_input(x: torch.Tensor, iq: InputQuant) -> torch.Tensor:
     """Fake-quantize a Linear input as ``iq`` prescribes."""
+    if iq.global_scale is not None:
+        return fake_quantize_nvfp4(x, iq.global_scale, iq.scheme.group_size or 16)
     fp = iq.scheme.type == "float"
     scale = iq.scale if iq.scale is not None else dynamic_scale(x, iq.scheme.strategy, iq.scheme.bits, fp)
     return fake_quantize_activation(x, scale, iq.scheme.bits, fp)

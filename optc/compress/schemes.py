@@ -144,12 +144,15 @@ class ActivationScheme(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    bits: Literal[8] = 8
+    bits: Literal[8, 4] = Field(8, description="8: int8 or FP8 E4M3; 4: NVFP4 (type float, strategy group)")
     type: Literal["int", "float"] = Field("int", description="int8, or FP8 E4M3 (float)")
-    strategy: Literal["tensor", "token"] = Field(
-        "tensor", description="one scale per tensor, or one per token (row)"
+    strategy: Literal["tensor", "token", "group"] = Field(
+        "tensor", description="one scale per tensor, one per token (row), or one per group of a token's "
+        "values under a calibrated tensor scale (NVFP4)"
     )
-    dynamic: bool = Field(False, description="scales computed at run time instead of calibrated")
+    group_size: int | None = Field(None, description="strategy group: values per scale (NVFP4: 16)")
+    dynamic: bool = Field(False, description="scales computed at run time instead of calibrated (strategy "
+                          "group: the group scales; the tensor scale is calibrated)")
     observer: ObserverName = Field(
         "minmax", description="static scales: minmax, moving_minmax, percentile, mse or kl"
     )
@@ -165,6 +168,15 @@ class ActivationScheme(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ActivationScheme:
+        fp4 = self.bits == 4 or self.strategy == "group" or self.group_size is not None
+        if fp4 and not (self.bits == 4 and self.type == "float" and self.strategy == "group"
+                        and self.group_size == FP4_GROUPS["e4m3"] and self.dynamic):
+            raise ValueError("4-bit activations are NVFP4: bits 4, type float, strategy group, group_size "
+                             f"{FP4_GROUPS['e4m3']}, dynamic true (E4M3 scales per group at run time under "
+                             "a calibrated FP32 tensor scale)")
+        if fp4 and self.observer in ("mse", "kl"):
+            raise ValueError(f"the {self.observer} observer searches an int8 grid; the NVFP4 tensor scale "
+                             "takes minmax, moving_minmax or percentile")
         if self.strategy == "token" and not self.dynamic:
             raise ValueError("per-token activation scales exist only at run time: set dynamic: true")
         if self.type == "float" and not self.dynamic and self.observer in ("mse", "kl"):
@@ -172,7 +184,14 @@ class ActivationScheme(BaseModel):
                              "take minmax, moving_minmax or percentile")
         return self
 
+    @property
+    def tensor_group(self) -> bool:
+        """NVFP4: dynamic group scales under a static (calibrated) tensor scale."""
+        return self.strategy == "group"
+
     def label(self) -> str:
+        if self.tensor_group:
+            return f"nvfp4-g{self.group_size} dynamic, static tensor scale ({self.observer})"
         grid = f"int{self.bits}" if self.type == "int" else "fp8-e4m3"
         if self.dynamic:
             return f"{grid} dynamic per-{self.strategy}"

@@ -20,7 +20,7 @@ from optc.errors import OptcError
 # GPTQ and AWQ layouts), besides the plain ``.weight`` / ``.bias``.
 _LINEAR_SUFFIXES = (
     ".weight", ".bias", ".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_g_idx",
-    ".weight_shape", ".qweight", ".qzeros", ".scales", ".g_idx", ".input_scale", ".input_zero_point",
+    ".weight_shape", ".qweight", ".qzeros", ".scales", ".g_idx", ".input_scale", ".input_global_scale", ".input_zero_point",
 )
 
 

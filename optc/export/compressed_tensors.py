@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 NAME = "compressed-tensors"
 _AUX_SUFFIXES = (".weight_scale", ".weight_zero_point", ".weight_g_idx", ".weight_shape",
-                 ".input_scale", ".input_zero_point", ".weight_global_scale")
+                 ".input_scale", ".input_zero_point", ".weight_global_scale", ".input_global_scale")
 # Stored bits of one float-grid scale: FP8's float32 ones, NVFP4's E4M3, MXFP4's E8M0 bytes.
 _FLOAT_SCALE_BITS = {"float": 32, "e4m3": 8, "e8m0": 8}
 
@@ -139,6 +139,12 @@ def _quantized(path: Path) -> bool:
     return bool((quantization_config(path) or {}).get("config_groups"))
 
 
+def _dynamic_word(dynamic: object) -> str:
+    # compressed-tensors' dynamic is true, false or "local" (NVFP4: group scales at run time,
+    # the tensor scale calibrated).
+    return {True: "dynamic", "local": "locally dynamic"}.get(dynamic, "static")  # type: ignore[call-overload]
+
+
 def _summary(qc: dict) -> dict:
     groups = qc.get("config_groups") or {}
     sparse = (qc.get("sparsity_config") or {}).get("sparsity_structure")
@@ -152,7 +158,7 @@ def _summary(qc: dict) -> dict:
         "group_size": sorted({w.get("group_size") for w in weights}, key=str),
         "symmetric": sorted({w.get("symmetric") for w in weights}),
         "act_order": sorted({str(w.get("actorder")) for w in weights}),
-        "activations": sorted({f"{'dynamic' if a.get('dynamic') else 'static'} {a.get('type', 'int')}"
+        "activations": sorted({f"{_dynamic_word(a.get('dynamic'))} {a.get('type', 'int')}"
                                f"{a.get('num_bits')}" for a in acts}) if acts else "float",
         "weight_types": sorted({w.get("type", "int") for w in weights}),
         "ignore": qc.get("ignore", []),

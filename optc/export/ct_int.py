@@ -55,11 +55,14 @@ def _input_args(scheme: ActivationScheme) -> dict:
         "num_bits": scheme.bits,
         "type": scheme.type,
         "symmetric": True,
-        "group_size": None,
-        "strategy": scheme.strategy,
-        "dynamic": scheme.dynamic,
+        "group_size": scheme.group_size,
+        "strategy": "tensor_group" if scheme.tensor_group else scheme.strategy,
+        # NVFP4: the group scales dynamic, the tensor scale (input_global_scale) static.
+        "dynamic": "local" if scheme.tensor_group else scheme.dynamic,
     }
-    if not scheme.dynamic:
+    if scheme.tensor_group:
+        args["scale_dtype"] = "torch.float8_e4m3fn"
+    if not scheme.dynamic or scheme.tensor_group:
         # Free text in compressed-tensors' QuantizationArgs: records how the scale was chosen.
         args["observer"] = scheme.observer
     return args
@@ -90,6 +93,8 @@ def _compress_module(name: str, weight: torch.Tensor, p: QuantParams, iq: InputQ
         return _compress_int_module(weight, p, iq)
     if iq is not None and iq.scale is not None:
         out["input_scale"] = iq.scale.reshape(1).float()
+    if iq is not None and iq.global_scale is not None:
+        out["input_global_scale"] = iq.global_scale.reshape(1).float()
     return out
 
 
@@ -197,20 +202,33 @@ def read_compressed_tensors(
             qparams[name] = p
         ia = group.get("input_activations")
         input_scale = state.pop(f"{name}.input_scale", None)
+        input_global = state.pop(f"{name}.input_global_scale", None)
         state.pop(f"{name}.input_zero_point", None)
         if ia:
-            if ia.get("type", "int") not in ("int", "float") or ia.get("num_bits", 8) != 8 \
-                    or not ia.get("symmetric", True):
-                raise OptcError(f"{name}: only symmetric int8 or FP8 input activations are supported")
-            observer = ia.get("observer")
-            act = ActivationScheme(
-                bits=ia.get("num_bits", 8),
-                type=ia.get("type", "int"),
-                strategy=ia.get("strategy") or "tensor",
-                dynamic=bool(ia.get("dynamic", False)),
-                **({"observer": observer} if observer in _OBSERVERS else {}),
-            )
-            if not act.dynamic and input_scale is None:
-                raise OptcError(f"{name}: static input activations but no {name}.input_scale")
-            input_quant[name] = InputQuant(act, None if act.dynamic else input_scale.float().reshape(1))
+            input_quant[name] = _input_quant(name, ia, input_scale, input_global)
     return state, qparams, input_quant
+
+
+def _input_quant(name: str, ia: dict, input_scale: torch.Tensor | None,
+                 input_global: torch.Tensor | None) -> InputQuant:
+    """A config group's ``input_activations`` block and the Linear's input scale tensors."""
+    kind = (ia.get("type", "int"), ia.get("num_bits", 8), ia.get("strategy") or "tensor")
+    nvfp4 = kind == ("float", 4, "tensor_group") and ia.get("dynamic") == "local"
+    if not (nvfp4 or kind[:2] in (("int", 8), ("float", 8))) or not ia.get("symmetric", True):
+        raise OptcError(f"{name}: only symmetric int8, FP8 or NVFP4 input activations are supported")
+    observer = ia.get("observer")
+    act = ActivationScheme(
+        bits=kind[1],
+        type=kind[0],
+        strategy="group" if nvfp4 else kind[2],
+        group_size=ia.get("group_size") if nvfp4 else None,
+        dynamic=nvfp4 or bool(ia.get("dynamic", False)),
+        **({"observer": observer} if observer in _OBSERVERS else {}),
+    )
+    if nvfp4:
+        if input_global is None:
+            raise OptcError(f"{name}: NVFP4 input activations but no {name}.input_global_scale")
+        return InputQuant(act, global_scale=input_global.float().reshape(1))
+    if not act.dynamic and input_scale is None:
+        raise OptcError(f"{name}: static input activations but no {name}.input_scale")
+    return InputQuant(act, None if act.dynamic else input_scale.float().reshape(1))

@@ -17,7 +17,7 @@ from optc.methods.workspace import Workspace
 # import here (or wherever a plugin is loaded).
 from optc.methods import rtn, gptq, awq, signround  # noqa: F401, I001 - registration order
 from optc.methods import magnitude, wanda, sparsegpt, structured  # noqa: F401
-from optc.methods import smoothquant, w8a8, kvcache, recover  # noqa: F401
+from optc.methods import smoothquant, w8a8, kv_cache, recover  # noqa: F401
 
 if TYPE_CHECKING:
     import torch

@@ -1,11 +1,12 @@
-"""W8A8: int8 weights (GPTQ or RTN) and int8 activations, fake-quantized from then on."""
+"""Weights and activations together (W8A8 int8 or FP8, W4A4 NVFP4): weights by GPTQ or RTN, Linear
+inputs fake-quantized from then on."""
 
 from __future__ import annotations
 
 import re
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from optc.compress.schemes import ActivationScheme, QuantScheme
 from optc.methods.base import WeightQuantConfig
@@ -36,8 +37,9 @@ class ActivationOverride(BaseModel):
 
 
 class W8A8Stage(WeightQuantConfig):
-    """Int8 weights (GPTQ or RTN, per channel) and int8 activations (static calibrated or
-    dynamic scales), with activations really fake-quantized from then on."""
+    """Weights (GPTQ or RTN; int8, FP8 or NVFP4) and activations (int8 or FP8 with static
+    calibrated or dynamic scales, NVFP4 with dynamic group scales under a calibrated tensor
+    scale), with activations really fake-quantized from then on."""
 
     type: Literal["w8a8"]
     scheme: QuantScheme = QuantScheme(bits=8, symmetric=True, group_size=None)
@@ -48,6 +50,17 @@ class W8A8Stage(WeightQuantConfig):
     activations: ActivationScheme = ActivationScheme()
     activation_overrides: list[ActivationOverride] = Field(default_factory=list)
     sample_tokens: int = Field(2048, gt=0, description="token rows kept per input to measure SQNR")
+
+    @model_validator(mode="after")
+    def _nvfp4_pairs(self) -> W8A8Stage:
+        acts = [self.activations, *(o.activations for o in self.activation_overrides if o.activations)]
+        if any(a.tensor_group for a in acts):
+            for where, scheme, _ in self.planned_schemes():
+                if scheme is not None and scheme.scale_format != "e4m3":
+                    raise ValueError(f"NVFP4 activations run in NVFP4 GEMMs, whose weights are NVFP4 too; "
+                                     f"{where} is {scheme.label()} (set scheme: {{type: float, bits: 4, "
+                                     "group_size: 16}})")
+        return self
 
     def activations_for(self, name: str) -> ActivationScheme | None:
         for o in self.activation_overrides:
