@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from optc.compress import fpquant
 from optc.compress.actquant import ActivationScheme, InputQuant, dynamic_scale, fake_quantize_activation, quantize_input
 from optc.compress.gptq import gptq_quantize
-from optc.compress.quant import QuantScheme, compute_qparams, fake_quantize, quantize
+from optc.compress.quant import QuantScheme, choose_qparams, compute_qparams, fake_quantize, quantize
 from optc.errors import OptcError
 from optc.export.ct_float import pack_nibbles, unpack_nibbles
 from optc.export.ct_int import read_compressed_tensors, write_int_quantized
@@ -361,6 +361,8 @@ def test_nvfp4_activation_refusals() -> None:
 
     with pytest.raises(ValidationError, match="4-bit activations are NVFP4"):
         ActivationScheme(bits=4, type="float", strategy="token", dynamic=True)
+    with pytest.raises(ValidationError, match="per-group ones"):
+        ActivationScheme(type="float", strategy="group", group_size=128, dynamic=True)
     with pytest.raises(ValidationError, match="4-bit activations are NVFP4"):
         ActivationScheme(bits=4, type="float", strategy="group", group_size=32, dynamic=True)
     with pytest.raises(ValidationError, match="mse observer searches an int8 grid"):
@@ -368,3 +370,79 @@ def test_nvfp4_activation_refusals() -> None:
     with pytest.raises(ValidationError, match="weights are NVFP4 too; scheme is int8"):
         W8A8Stage(type="w8a8", activations=NVFP4_ACT)
     W8A8Stage(type="w8a8", activations=NVFP4_ACT, scheme=NVFP4)
+
+
+FP8_BLOCK = QuantScheme(type="float", bits=8, group_size=128, block_rows=128)
+
+
+def _tiles_shared(scale: torch.Tensor, rows: int) -> bool:
+    from optc.compress.quant import block_reduce
+
+    return torch.equal(block_reduce(scale, rows, "amax"), scale) and torch.equal(block_reduce(scale, rows, "amin"), scale)
+
+
+def test_fp8_block_scales_match_compressed_tensors() -> None:
+    """One scale per 128 x 128 tile, short tiles where 128 divides neither 200 rows nor 576
+    columns: our min-max scales and fake quantization are compressed-tensors' (which pads)."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(200, 576, generator=g) * 0.04
+    w[150, 530] = 0.9  # an outlier in the short corner tile
+    p = compute_qparams(w, FP8_BLOCK)
+    assert p.scale.shape == (200, 5) and _tiles_shared(p.scale, 128)
+    assert p.scale[199, 4] == pytest.approx(0.9 / 448)
+    args = ct_args.QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=[128, 128],
+                                    symmetric=True)
+    tiles = p.scale[::128]
+    assert torch.equal(fake_quantize(w, p), ct_fake_quantize(w, tiles, torch.zeros_like(tiles), args))
+    mse = choose_qparams(w, FP8_BLOCK, "mse")
+    assert _tiles_shared(mse.scale, 128)
+    assert (fake_quantize(w, mse) - w).pow(2).sum() <= (fake_quantize(w, p) - w).pow(2).sum()
+
+
+def test_gptq_and_refit_keep_fp8_tiles() -> None:
+    from optc.compress.gptq import refit_scales
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 96)
+    x = torch.randn(512, 96) * torch.linspace(0.2, 3, 96)
+    H = 2 * x.T @ x / x.shape[0]
+    scheme = QuantScheme(type="float", bits=8, group_size=32, block_rows=16)
+    res = gptq_quantize(w, H, scheme, actorder=False)
+    rtn = fake_quantize(w, compute_qparams(w, scheme))
+    err = lambda w_hat: float(((w_hat - w) @ x.T).pow(2).sum())  # noqa: E731
+    assert err(res.weight) < err(rtn)
+    assert _tiles_shared(res.params.scale, 16)
+    assert torch.equal(fake_quantize(res.weight, res.params), res.weight)
+    w_hat, p = refit_scales(w, H, res.weight, res.params)
+    assert _tiles_shared(p.scale, 16) and err(w_hat) <= err(res.weight) * (1 + 1e-6)
+
+
+def test_fp8_block_export_loads_in_transformers(tmp_path: Path) -> None:
+    model = tiny_model("llama")
+    scheme = QuantScheme(type="float", bits=8, group_size=32, block_rows=40)  # short tiles
+    qparams = fake_quantize_model(model, lambda n: scheme)
+    write_int_quantized(model, qparams, {}, tmp_path)
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert group["weights"]["strategy"] == "block" and group["weights"]["block_structure"] == [40, 32]
+    m = "model.layers.0.mlp.down_proj"
+    n, k = dict(model.named_modules())[m].weight.shape
+    assert k % 32 and n % 40  # short tiles both ways
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert f.get_tensor(f"{m}.weight_scale").shape == (-(-n // 40), -(-k // 32))
+    state, read, _ = read_compressed_tensors(tmp_path)
+    modules = dict(model.named_modules())
+    for name, p in qparams.items():
+        assert torch.equal(state[f"{name}.weight"], modules[name].weight), name
+        assert read[name].scheme == scheme
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (loaded(tiny_tokens(2, 16)).logits - model(tiny_tokens(2, 16)).logits).abs().max() < 1e-4
+
+
+def test_block_rows_refusals() -> None:
+    with pytest.raises(ValidationError, match="block_rows .* is for FP8 weights"):
+        QuantScheme(bits=4, group_size=128, block_rows=128)
+    with pytest.raises(ValidationError, match="block_rows .* is for FP8 weights"):
+        QuantScheme(type="float", bits=8, group_size=None, block_rows=128)
+    assert FP8_BLOCK.label() == "fp8-e4m3-b128x128"

@@ -19,6 +19,7 @@ import torch
 from optc.compress.quant import (
     QuantParams,
     QuantScheme,
+    block_reduce,
     choose_qparams,
     default_g_idx,
     quantize,
@@ -303,6 +304,9 @@ def refit_scales(
         Yb = c[:, cols] @ H[cols, :]  # [N, K]: sum over j in group b of c_rj H_j.
         A[:, :, b] = Yb.mul_(c) @ E
     v = (W @ H).mul_(c) @ E
+    # Rows sharing their scales (a block scheme's tiles): one system per block, the rows' sums.
+    rows = p.scheme.block_rows
+    A, v = block_reduce(A, rows), block_reduce(v, rows)
     lam = ridge * A.diagonal(dim1=1, dim2=2).mean(dim=1).clamp_min(1e-12)  # [N]
     eye = torch.eye(groups, device=W.device)
     old = p.scale.float()
@@ -322,7 +326,7 @@ def refit_scales(
     s = torch.where(s > 0, round_scales(s.abs(), p.scheme), s)
     valid = torch.isfinite(s).all(dim=1) & (s > 0).all(dim=1)
     s = torch.where(valid[:, None], s, old)
-    better = row_error(s) < row_error(old)
+    better = row_error(s) < row_error(old)  # with shared scales, the block's error on each of its rows
     s = torch.where(better[:, None], s, old)
     new = QuantParams(p.scheme, s.to(p.scale.dtype), p.zero, p.g_idx)
     return (c * s[:, g_idx]).to(W_hat.dtype), new

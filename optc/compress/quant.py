@@ -58,11 +58,30 @@ def group_view(t: torch.Tensor, group_size: int | None) -> torch.Tensor:
     return t.reshape(*t.shape[:-1], groups, g)
 
 
+def block_reduce(t: torch.Tensor, rows: int | None, op: str = "sum") -> torch.Tensor:
+    """``t`` ([N, ...]) reduced (``sum``, ``amin`` or ``amax``) over each block of ``rows``
+    consecutive rows (a short last block included) and broadcast back to every row of it: what a
+    scale shared by a block of rows (FP8 128 x 128 tiles) sees. ``rows`` None: ``t`` itself."""
+    if rows is None or rows == 1:
+        return t
+    n = t.shape[0]
+    blocks = math.ceil(n / rows)
+    if op == "sum":
+        pad = torch.zeros((blocks * rows - n, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    else:  # pad with copies of the last row, in the last block: they change no min or max
+        pad = t[-1:].expand(blocks * rows - n, *t.shape[1:])
+    tb = torch.cat((t, pad)).reshape(blocks, rows, *t.shape[1:])
+    red = getattr(tb, op)(dim=1, keepdim=True)
+    return red.expand_as(tb).reshape(blocks * rows, *t.shape[1:])[:n]
+
+
 def _grouped_minmax(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(row, group) min and max, with 0 always inside the range ([N, G] each)."""
+    """Per-(row, group) min and max, with 0 always inside the range ([N, G] each); a block
+    scheme's ranges span its block of rows."""
     # Zero padding cannot change the result because 0 is forced into every range below.
     wp = group_view(w, scheme.group_size)
-    return wp.amin(dim=2).clamp(max=0), wp.amax(dim=2).clamp(min=0)
+    lo, hi = wp.amin(dim=2).clamp(max=0), wp.amax(dim=2).clamp(min=0)
+    return block_reduce(lo, scheme.block_rows, "amin"), block_reduce(hi, scheme.block_rows, "amax")
 
 
 def params_from_range(
@@ -267,11 +286,12 @@ def mse_clip_search(
     err, _, _ = _shrink_errors(
         w3, lo, hi, (1.0 - first / grid).expand(n, groups, -1), scheme, norm, imp3
     )
-    centre = first[err.argmin(dim=-1)]  # [N, G]
+    # A block scheme's rows share one shrink: their errors are summed (lo, hi already shared).
+    centre = first[block_reduce(err, scheme.block_rows).argmin(dim=-1)]  # [N, G]
     offsets = torch.arange(-coarse + 1, coarse, dtype=torch.float32, device=w.device)
     idx = (centre[..., None] + offsets).clamp(0, steps)
     err, scale, zero = _shrink_errors(w3, lo, hi, 1.0 - idx / grid, scheme, norm, imp3)
-    pick = err.argmin(dim=-1, keepdim=True)
+    pick = block_reduce(err, scheme.block_rows).argmin(dim=-1, keepdim=True)
     best_scale = scale.gather(-1, pick)[..., 0]
     best_zero = zero.gather(-1, pick)[..., 0]
     return QuantParams(scheme, best_scale, best_zero, default_g_idx(k, scheme).to(w.device))

@@ -54,6 +54,10 @@ class QuantScheme(BaseModel):
                           "k-quants: a float16 per 256 weights times an integer code per group); "
                           "default float, and for 4-bit floats the one its group size implies"
     )
+    block_rows: int | None = Field(
+        None, description="FP8 block quantization: output rows sharing each scale, over group_size columns "
+                          "(128 with group_size 128: one scale per 128 x 128 tile)"
+    )
 
     @field_validator("bits")
     @classmethod
@@ -74,6 +78,10 @@ class QuantScheme(BaseModel):
 
     @model_validator(mode="after")
     def _float_grid(self) -> QuantScheme:
+        if self.block_rows is not None and not (self.type == "float" and self.bits == 8 and self.block_rows > 0
+                                                and self.group_size is not None):
+            raise ValueError(f"block_rows ({self.block_rows}) is for FP8 weights (type float, bits 8) with a "
+                             "group_size: one scale per block_rows x group_size tile")
         if self.type == "int":
             if self.scale_format == "k-quant":
                 if self.kquant_kind is None:
@@ -133,6 +141,8 @@ class QuantScheme(BaseModel):
         if self.scale_format == "k-quant":
             return f"{self.kquant_kind}-g{self.group_size}"
         g = "channel" if self.group_size is None else f"g{self.group_size}"
+        if self.block_rows is not None:
+            g = f"b{self.block_rows}x{self.group_size}"
         if self.type == "float":
             name = {"e4m3": "nvfp4", "e8m0": "mxfp4"}.get(self.scale_format or "", "fp8-e4m3")
             return f"{name}-{g}"
@@ -169,6 +179,9 @@ class ActivationScheme(BaseModel):
     @model_validator(mode="after")
     def _consistent(self) -> ActivationScheme:
         fp4 = self.bits == 4 or self.strategy == "group" or self.group_size is not None
+        if fp4 and self.bits == 8:
+            raise ValueError("8-bit activations take one scale per tensor or per token; per-group ones "
+                             "(FP8_BLOCK's groups of 128) are not supported: use strategy token, dynamic true")
         if fp4 and not (self.bits == 4 and self.type == "float" and self.strategy == "group"
                         and self.group_size == FP4_GROUPS["e4m3"] and self.dynamic):
             raise ValueError("4-bit activations are NVFP4: bits 4, type float, strategy group, group_size "

@@ -414,9 +414,10 @@ def check_free_space(target: Path, needed: int) -> None:
 
 def check_float_widths(model: torch.nn.Module, schemes: Mapping[str, object]) -> None:
     """Refuse, before any calibration, an NVFP4 or MXFP4 Linear whose input width is not a multiple
-    of its group (16 or 32): the formats and their runtimes hold whole groups only."""
+    of its group (16 or 32): the formats and their runtimes hold whole groups only. FP8 tiles
+    (``block_rows``) may be short at the edges, as compressed-tensors pads them."""
     widths = {name: weight_2d(model.get_submodule(name)).shape[1] for name, scheme in schemes.items()
-              if getattr(scheme, "type", "int") == "float" and scheme.group_size}
+              if getattr(scheme, "type", "int") == "float" and scheme.group_size and scheme.block_rows is None}
     bad = [(name, schemes[name], k) for name, k in widths.items() if k % schemes[name].group_size]
     if bad:
         name, scheme, cols = bad[0]

@@ -45,7 +45,9 @@ def _fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
 def _float_stored_bits(scheme: QuantScheme, out_features: int, in_features: int) -> int:
     """ct_float's tensors: 8- or 4-bit codes, a scale per group, NVFP4's float32 tensor scale."""
     groups = scheme.num_groups(in_features)
-    bits = out_features * (in_features * scheme.bits + groups * _FLOAT_SCALE_BITS[scheme.scale_format or "float"])
+    scale_rows = out_features if scheme.block_rows is None else math.ceil(out_features / scheme.block_rows)
+    bits = (out_features * in_features * scheme.bits
+            + scale_rows * groups * _FLOAT_SCALE_BITS[scheme.scale_format or "float"])
     return bits + (32 if scheme.scale_format == "e4m3" else 0)
 
 
@@ -62,7 +64,8 @@ def _bits_per_weight(scheme: QuantScheme | None, in_features: int) -> float | No
     if scheme is None:
         return None
     if scheme.type == "float":
-        return _float_stored_bits(scheme, 1, in_features) / in_features
+        rows = scheme.block_rows or 1  # a block's rows share their scales
+        return _float_stored_bits(scheme, rows, in_features) / (rows * in_features)
     return scheme.bits + 64 * _stored_groups(scheme, in_features) / in_features  # 8-byte scale + zero per group
 
 

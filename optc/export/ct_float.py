@@ -9,7 +9,9 @@ Layout, checked against the installed compressed-tensors 0.20.1
 - **FP8** (``float-quantized``): ``<m>.weight`` ``float8_e4m3fn`` ``[N, K]``, the codes themselves;
   ``<m>.weight_scale`` ``[N, 1]`` per channel (``[N, G]`` per group), float32: the scales the codes
   were chosen against, exactly (loaders cast them to the compute dtype). Strategy ``channel`` or
-  ``group``.
+  ``group``; or ``block`` with ``block_structure [R, C]``: ``weight_scale`` ``[ceil(N/R), ceil(K/C)]``,
+  one scale per tile (a short last tile where ``R`` or ``C`` does not divide, as compressed-tensors
+  pads; vLLM's block kernels need ``K`` divisible by ``C``).
 - **NVFP4** (``nvfp4-pack-quantized``): ``<m>.weight_packed`` uint8 ``[N, K/2]``, two E2M1 codes a
   byte, the even column in the low nibble (sign bit 3, magnitude index bits 0-2);
   ``<m>.weight_scale`` ``float8_e4m3fn`` ``[N, K/16]``; ``<m>.weight_global_scale`` float32 ``[1]``.
@@ -49,6 +51,9 @@ def float_weights_args(scheme: QuantScheme) -> dict:
         return {**args, "strategy": "tensor_group", "scale_dtype": "torch.float8_e4m3fn"}
     if scheme.scale_format == "e8m0":
         return {**args, "strategy": "group", "scale_dtype": "torch.uint8"}
+    if scheme.block_rows is not None:
+        return {**args, "group_size": None, "strategy": "block", "block_structure": [scheme.block_rows,
+                                                                                    scheme.group_size]}
     return {**args, "strategy": "channel" if scheme.group_size is None else "group"}
 
 
@@ -56,6 +61,9 @@ def float_scheme(name: str, args: dict) -> QuantScheme:
     """The scheme of a config group's float ``weights`` block."""
     strategy = args.get("strategy")
     bits, group = args.get("num_bits"), args.get("group_size")
+    if bits == 8 and strategy == "block":
+        rows, cols = args.get("block_structure") or (None, None)
+        return QuantScheme(type="float", bits=8, group_size=cols, block_rows=rows)
     if bits == 8 and strategy in ("channel", "group"):
         return QuantScheme(type="float", bits=8, group_size=group if strategy == "group" else None)
     if bits == 4 and strategy in ("tensor_group", "group"):
@@ -66,7 +74,8 @@ def float_scheme(name: str, args: dict) -> QuantScheme:
 
 def check_fits(name: str, weight: torch.Tensor, scheme: QuantScheme) -> None:
     g = scheme.group_size
-    if g is not None and weight.shape[1] % g:
+    # Block scales over a short last tile are what compressed-tensors computes too (it pads).
+    if g is not None and weight.shape[1] % g and scheme.block_rows is None:
         raise OptcError(f"{name}: {scheme.label()} needs in_features divisible by {g}, got {weight.shape[1]}; "
                         "ignore this Linear or give it another scheme")
 
@@ -90,7 +99,9 @@ def compress_float(name: str, weight: torch.Tensor, p: QuantParams) -> dict:
     q = grid_codes(name, weight, p)
     fmt = p.scheme.scale_format
     if fmt is None or fmt == "float":
-        return {"weight": q.to(torch.float8_e4m3fn), "weight_scale": p.scale.float()}
+        # A block scheme's rows share their scales: one row of them per tile of rows.
+        scale = p.scale.float() if p.scheme.block_rows is None else p.scale.float()[:: p.scheme.block_rows]
+        return {"weight": q.to(torch.float8_e4m3fn), "weight_scale": scale}
     out = {"weight_packed": pack_nibbles(q)}
     if fmt == "e8m0":
         out["weight_scale"] = fpquant.e8m0_encode(p.scale)
@@ -114,6 +125,8 @@ def dequantize_float(name: str, tensors: dict[str, torch.Tensor], args: dict) ->
     if scheme.bits == 8:
         q = tensors.pop(f"{name}.weight").float()
         s = scale.float()
+        if scheme.block_rows is not None:
+            s = s.repeat_interleave(scheme.block_rows, dim=0)[: q.shape[0]]
     else:
         q = unpack_nibbles(tensors.pop(f"{name}.weight_packed"))
         if scheme.scale_format == "e8m0":
