@@ -91,3 +91,18 @@ def test_refusals(tiny_checkpoint: Path, tmp_path: Path) -> None:
     assert result.exit_code != 0
     assert "stage 1 (kv_cache) quantizes the KV cache, which gptq cannot store (use compressed-tensors)" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_an_attention_without_a_cache_argument_is_refused(tiny_checkpoint: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An architecture whose attention takes its cache under a name optc does not know: one
+    line naming the layer, before any calibration, nothing written."""
+    import optc.model.anatomy as anatomy
+
+    monkeypatch.setattr(anatomy, "CACHE_ARGUMENTS", ("kv_store",))
+    result = CliRunner().invoke(app, ["run", "fp8-kv", "--model", str(tiny_checkpoint), "--no-eval",
+                                      "--output", str(tmp_path / "out"), "-q"])
+    assert result.exit_code == 1, result.output
+    assert "kv_cache: no module of LlamaDecoderLayer (model.layers.0) takes a KV cache argument (kv_store)" \
+        in " ".join(result.output.split())
+    assert not (tmp_path / "out").exists()
