@@ -78,7 +78,7 @@ def fake_quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor, group_size:
     # it there in compressed-tensors), the result back in x's dtype.
     g = global_scale.to(x.device, torch.float32)
     xg = x.unflatten(-1, (x.shape[-1] // group_size, group_size))
-    amax = xg.abs().amax(dim=-1, keepdim=True)
+    amax = torch.maximum(xg.amax(dim=-1, keepdim=True), -xg.amin(dim=-1, keepdim=True))
     s = round_e4m3(g * (amax / FLOAT_MAX[4]))
     s = torch.where(s == 0, torch.full_like(s, _E4M3_EPS), s)
     step = s / g

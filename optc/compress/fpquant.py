@@ -30,9 +30,6 @@ from optc.compress.schemes import FLOAT_MAX
 E4M3_MAX = FLOAT_MAX[8]
 E8M0_BIAS = 127
 FP4_CODES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-_ties_up = torch.tensor([False, True, False, True, False, True, False])
-_E2M1_MIDS = torch.where(_ties_up, torch.nextafter((FP4_CODES[:-1] + FP4_CODES[1:]) / 2, torch.tensor(0.0)),
-                         (FP4_CODES[:-1] + FP4_CODES[1:]) / 2)
 
 
 def round_e4m3(x: torch.Tensor) -> torch.Tensor:
@@ -42,12 +39,16 @@ def round_e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def round_e2m1_(x: torch.Tensor) -> torch.Tensor:
     """``x`` rounded in place to the nearest E2M1 value (saturating at +-6), ties to even."""
-    # The midpoints between neighbours; bucketize sends a value equal to a boundary to the lower
-    # side, so the midpoints whose tie goes up (to the even mantissa: 1, 2, 4) are moved down by
-    # one ulp. One search and one gather: fewer passes over GPTQ's columns than stepwise rounding.
-    # In float32: a one-ulp nudge would vanish in a 16-bit dtype.
-    idx = torch.bucketize(x.abs().float(), _E2M1_MIDS.to(x.device))
-    return x.copy_(FP4_CODES.to(device=x.device, dtype=x.dtype)[idx].copysign_(x))
+    # On float32 bits: from 1 up, E2M1 is float32 with one mantissa bit, so adding half an ulp
+    # of that bit (less one, plus the kept bit: ties to even) and clearing the 22 lower bits
+    # rounds it; below 1 the grid is E2M1's subnormal step of 0.5. A few elementwise passes,
+    # about half the time of a bucketize search over the midpoints.
+    a = x.detach().float().abs().clamp_(max=FP4_CODES[-1].item())
+    small = a < 1.0
+    sub = (a * 2).round_().mul_(0.5)
+    bits = a.view(torch.int32)
+    bits.add_(0x1FFFFF + ((bits >> 22) & 1)).bitwise_and_(~0x3FFFFF)
+    return x.copy_(torch.where(small, sub, a).copysign_(x))
 
 
 def round_float_(x: torch.Tensor, bits: int) -> torch.Tensor:
