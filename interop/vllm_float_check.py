@@ -11,14 +11,12 @@ Runs in the vLLM CPU venv (`make test-interop` builds it):
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
-import os
 import traceback
 from pathlib import Path
 
-os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", "3600")
+from vllm_check import vllm_perplexity  # sets vLLM's model-execution timeout before vLLM loads
 
 
 def windows_of(directory: Path, text: Path, count: int, seqlen: int) -> list[list[int]]:
@@ -28,7 +26,7 @@ def windows_of(directory: Path, text: Path, count: int, seqlen: int) -> list[lis
     return [ids[i * seqlen:(i + 1) * seqlen] for i in range(count)]
 
 
-def transformers_perplexity(directory: Path, windows: list[list[int]], _seqlen: int) -> float:
+def transformers_perplexity(directory: Path, windows: list[list[int]]) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -40,24 +38,6 @@ def transformers_perplexity(directory: Path, windows: list[list[int]], _seqlen: 
             logits = model(ids).logits[0, :-1].float()
             nll += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
             count += len(w) - 1
-    return math.exp(nll / count)
-
-
-def vllm_perplexity(directory: Path, windows: list[list[int]], seqlen: int) -> float:
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(model=str(directory), dtype="bfloat16", max_model_len=seqlen + 64, enforce_eager=True,
-              gpu_memory_utilization=0.25)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows],
-                           SamplingParams(max_tokens=1, prompt_logprobs=0))
-    nll, count = 0.0, 0
-    for window, out in zip(windows, outputs):
-        for token, logprobs in zip(window[1:], out.prompt_logprobs[1:]):
-            nll -= logprobs[token].logprob
-            count += 1
-    del llm
-    gc.collect()
     return math.exp(nll / count)
 
 
@@ -73,9 +53,11 @@ def main() -> None:
     for directory in args.checkpoints:
         windows = windows_of(directory, args.text, args.windows, args.seqlen)
         row: dict = {}
-        for reader, score in (("transformers", transformers_perplexity), ("vllm", vllm_perplexity)):
+        scores = (("transformers", lambda: transformers_perplexity(directory, windows)),
+                  ("vllm", lambda: vllm_perplexity(directory, windows, args.seqlen, 0.25, "bfloat16")))
+        for reader, score in scores:
             try:
-                row[reader] = round(score(directory, windows, args.seqlen), 4)
+                row[reader] = round(score(), 4)
             except Exception as exc:  # noqa: BLE001 - any refusal is the result to report
                 # vLLM's engine process logs the root cause above its own one-line error.
                 reason = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()
