@@ -136,6 +136,44 @@ def quantize_dequantize(w3: torch.Tensor, r: Rounding, scheme: QuantScheme) -> t
     return (q - z3) * s3
 
 
+@dataclass
+class FixedGrid:
+    """What Eq. 1 keeps fixed while only ``V`` is learnt (the clip factors frozen): the real-valued
+    code ``W / s`` plus the start offset ``D``, the scale and the zero point ([N, G, g], [N, G, 1]).
+    With them a step needs no autograd graph through the rounding: ``W~ = s (clip(round(u + V) +
+    zp) - zp)``, and by the straight-through estimator ``dL/dV = s dL/dW~`` wherever the code is
+    not clipped (zero where it is)."""
+
+    u: torch.Tensor
+    s: torch.Tensor
+    z: torch.Tensor
+
+
+def fixed_grid(w3: torch.Tensor, r: Rounding, scheme: QuantScheme) -> FixedGrid:
+    """The fixed part of Eq. 1 for ``r``'s current clip factors."""
+    with torch.no_grad():
+        s, z = grid(r, scheme)
+        u = w3 / s[..., None]
+        if r.offset is not None:
+            u = u + r.offset
+        return FixedGrid(u, s[..., None], z[..., None])
+
+
+def dequantize_fixed(fg: FixedGrid, V: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """``W~`` of Eq. 1 on the fixed grid ([N, G, g], no autograd) and where its codes are inside
+    the grid (the straight-through gradient's support)."""
+    with torch.no_grad():
+        q = torch.round(fg.u + V).add_(fg.z)
+        inside = (q >= scheme.qmin) & (q <= scheme.qmax)
+        return q.clamp_(scheme.qmin, scheme.qmax).sub_(fg.z).mul_(fg.s), inside
+
+
+def set_v_grad_(r: Rounding, fg: FixedGrid, grad_w3: torch.Tensor, inside: torch.Tensor) -> None:
+    """``V.grad`` from the loss's gradient at ``W~`` ([N, G, g]; consumed): the chain rule of
+    :func:`dequantize_fixed` under the straight-through estimator."""
+    r.V.grad = grad_w3.mul_(fg.s).mul_(inside)
+
+
 def as_weight(w_hat3: torch.Tensor, k: int) -> torch.Tensor:
     """The [N, G, g] view back to the weight's [N, K]."""
     return w_hat3.reshape(w_hat3.shape[0], -1)[:, :k]

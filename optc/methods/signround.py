@@ -27,6 +27,12 @@ log = logging.getLogger(__name__)
 # light preset (50 at 5e-3); best four times the default's steps.
 PRESETS: dict[str, tuple[int, float | None]] = {"light": (50, 5e-3), "default": (200, None), "best": (800, None)}
 
+# Samples of one training forward and backward (a step of ``batch`` samples takes several): a
+# decoder layer's saved activations and their gradients grow with the tokens of a pass, and at
+# 8 x 512 tokens they were the largest part of the method's memory above GPTQ's; 4 x 512 tokens
+# still make large enough GEMMs.
+PASS_SAMPLES = 4
+
 
 class SignRoundStage(WeightQuantConfig):
     """Optimized rounding (SignRound): per decoder layer, a rounding offset per weight and clip
@@ -133,7 +139,8 @@ def check_trainable(step: LayerStep, names: list[str]) -> None:
             w.grad = None
         try:
             a, kw = _take(_plain((b.args, b.kwargs)), [0], b.hidden.shape[0])
-            out = step.layer(_plain(b.hidden[:1]), *a, **kw)
+            x = b.hidden[:1].to(next(iter(weights.values())).dtype)  # the stream may be stored in bfloat16
+            out = step.layer(_plain(x), *a, **kw)
             out = out[0] if isinstance(out, tuple) else out
             if out.requires_grad:
                 out.float().sum().backward()
@@ -233,11 +240,16 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
 
     # Each step allocates and frees the same large activations and gradients; from glibc's heap
     # they fragment it, and resident memory grew layer by layer (2.2 GiB peak on the default model).
-    limit_fragmentation()
+    # Above 16 MiB they get their own pages; a lower threshold (4 MiB) put most of a step's
+    # tensors there too, and their page faults made every step a quarter slower.
+    limit_fragmentation(16 << 20)
     iters, lr = cfg.schedule()
     dtype = training_dtype(cfg.autocast, ws.device)
     per_module: dict[str, dict] = {}
-    float_hidden: list[torch.Tensor] = []  # the float model's inputs of the current layer
+    # The float model's inputs of the current layer, in the training's dtype: a second copy of the
+    # calibration activations, and bfloat16's rounding of the targets is far below the
+    # quantization error they measure.
+    float_hidden: list[torch.Tensor] = []
     expected = [-1]  # the layer whose float inputs float_hidden holds
 
     def solve(step: LayerStep) -> dict:
@@ -249,7 +261,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
             if float_hidden:
                 log.warning("signround: %s follows a skipped layer; its targets are the float layer on the "
                             "quantized model's inputs", step.name)
-            float_hidden[:] = [b.hidden.clone() for b in step.batches]
+            float_hidden[:] = [b.hidden.to(dtype or b.hidden.dtype, copy=True) for b in step.batches]
         expected[0] = step.index + 1
         check_trainable(step, names)
         # The float layer's outputs: the targets, and the next layer's float inputs.
@@ -259,8 +271,10 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         weights = {n: weight_2d(step.linears[n]).detach().float().clone() for n in names}
 
         need_h = cfg.start == "gptq" or cfg.refit_scales or cfg.observer == "mse"
+        # The start's statistics in the training's dtype too: float32 products of down_proj's
+        # 1536-wide inputs cost as much as the collecting forward itself.
         hessians = step.collect(names, lambda _n, m: HessianAccumulator(
-            weight_2d(m).shape[1], matmul_dtype=ws.calibration.autocast_dtype(), fold=step.fold)) if need_h else {}
+            weight_2d(m).shape[1], matmul_dtype=dtype or ws.calibration.autocast_dtype(), fold=step.fold)) if need_h else {}
         H = {n: hessians[n].H for n in names} if need_h else {}
         states: dict[str, sr.Rounding] = {}
         if cfg.start == "gptq":
@@ -299,14 +313,25 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         where = [(i, r) for i, n in enumerate(sizes) for r in range(n)]
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step.index)
         device_type = step.batches[0].hidden.device.type
+        layer_dtype = weight_2d(step.linears[names[0]]).dtype  # the streams may be stored in bfloat16
         amp = torch.autocast(device_type, dtype=dtype) if dtype is not None else None
 
-        def quantized() -> dict[str, torch.Tensor]:
-            w_hat = {}
+        # Frozen clip factors (GPTQ's start): the grid is fixed, so each step rounds without an
+        # autograd graph and takes V's gradient by the straight-through rule directly; the graph
+        # through the rounding cost a fifth of every step.
+        grids = None if cfg.learns_clip() else {n: sr.fixed_grid(w3[n], states[n], cfg.scheme_for(n)) for n in names}
+
+        def quantized() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+            """Every weight's ``W~`` ([N, G, g]) and, on a fixed grid, where V has a gradient."""
+            w_hat, support = {}, {}
             for n in names:
-                w = sr.quantize_dequantize(w3[n], states[n], cfg.scheme_for(n))
+                if grids is None:
+                    w = sr.quantize_dequantize(w3[n], states[n], cfg.scheme_for(n))
+                else:
+                    w, inside = sr.dequantize_fixed(grids[n], states[n].V, cfg.scheme_for(n))
+                    support[n] = inside * masks[n] if n in masks else inside
                 w_hat[n] = w * masks[n] if n in masks else w
-            return w_hat
+            return w_hat, support
 
         def overrides_of(w2d: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             """The layer's parameters to replace by ``[N, K]`` weights (a Conv1D stores ``[K, N]``)."""
@@ -314,14 +339,18 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
 
         def loss_on(pick, overrides, backward: bool) -> float:
             total = 0.0
-            for x, a, kw, target, share in _step_batches(pick, step.batches, inputs, targets, args):
-                with amp if amp is not None else contextlib.nullcontext():
-                    out = functional_call(step.layer, overrides, (x, *a), kw)
-                out = out[0] if isinstance(out, tuple) else out
-                loss = F.mse_loss(out.float(), target) * share
-                if backward:
-                    loss.backward()
-                total += loss.detach().item()
+            # At most PASS_SAMPLES samples per forward: the activations a backward keeps grow with
+            # the tokens of one pass, and gradients accumulate across passes.
+            for c in range(0, len(pick), PASS_SAMPLES):
+                chunk = pick[c : c + PASS_SAMPLES]
+                for x, a, kw, target, share in _step_batches(chunk, step.batches, inputs, targets, args):
+                    with amp if amp is not None else contextlib.nullcontext():
+                        out = functional_call(step.layer, overrides, (x.to(layer_dtype), *a), kw)
+                    out = out[0] if isinstance(out, tuple) else out
+                    loss = F.mse_loss(out.float(), target.float()) * (share * len(chunk) / len(pick))
+                    if backward:
+                        loss.backward()
+                    total += loss.detach().item()
             return total
 
         # The best iterate is chosen on fixed samples, every few steps: each step's own loss is on
@@ -332,7 +361,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         def check(t: int) -> None:
             nonlocal best, best_state
             with torch.no_grad():
-                w_hat = quantized()
+                w_hat, _ = quantized()
                 overrides = overrides_of({n: sr.as_weight(w_hat[n], weights[n].shape[1]) for n in names})
                 value = loss_on(fixed, overrides, backward=False)
             log.debug("signround %s step %d: loss on the fixed samples %.5g", step.name, t, value)
@@ -345,7 +374,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
             check(0)
             first = best
             for t in range(iters):
-                w_hat = quantized()
+                w_hat, support = quantized()
                 leaves = {n: sr.as_weight(w_hat[n], weights[n].shape[1]).detach().requires_grad_(True) for n in names}
                 overrides = overrides_of(leaves)
                 pick = [where[j] for j in torch.randperm(samples, generator=gen)[:per_step].tolist()]
@@ -354,7 +383,11 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
                 grads = [leaves[n].grad.reshape(weights[n].shape[0], -1) for n in names]
                 padded = [torch.nn.functional.pad(g, (0, w_hat[n].shape[1] * w_hat[n].shape[2] - g.shape[1]))
                           .view_as(w_hat[n]) for n, g in zip(names, grads)]
-                torch.autograd.backward([w_hat[n] for n in names], padded)
+                if grids is None:
+                    torch.autograd.backward([w_hat[n] for n in names], padded)
+                else:
+                    for n, g in zip(names, padded):
+                        sr.set_v_grad_(states[n], grids[n], g, support[n])
                 step_lr = lr * (1 - t / iters)
                 for st in states.values():
                     sr.sign_step_(st, step_lr, cfg.learns_clip())
@@ -382,7 +415,9 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         return {"signround_loss": [round(first, 8), round(best, 8)], "signround_seconds": round(seconds, 2),
                 "signround_train_seconds": round(train_seconds, 2)}
 
-    layers = run_calibration(ws, cfg, solve, "signround", records=per_module)
+    # The layer forwards (targets, GPTQ's statistics, the next layer's inputs) in the training's
+    # dtype too: in float32 they were a third of a layer's time on an AMX CPU.
+    layers = run_calibration(ws, cfg, solve, "signround", records=per_module, autocast=dtype)
     return {"modules": per_module, "layers": layers}
 
 
