@@ -23,9 +23,19 @@ def main() -> None:
     # compressed-tensors 0.20 decompresses NVFP4/MXFP4 weights in bfloat16 only: those load in
     # the dtype their config declares ("auto").
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32")
+    # transformers 5.25 with compressed-tensors 0.20 cannot load asymmetric pack-quantized
+    # checkpoints the default way (the empty model's zero points are not given their packed
+    # shape: llm-compressor#1618); its dequantize-on-load path reads them, one scheme per
+    # checkpoint.
+    ap.add_argument("--dequantize", action="store_true", help="CompressedTensorsConfig(dequantize=True)")
     args = ap.parse_args()
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    extra = {}
+    if args.dequantize:
+        from transformers import CompressedTensorsConfig
+
+        extra["quantization_config"] = CompressedTensorsConfig(dequantize=True)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, **extra).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
     with open(args.text, encoding="utf-8") as fh:
         ids = tok(fh.read(), add_special_tokens=False, return_tensors="pt").input_ids[0]

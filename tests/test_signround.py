@@ -141,7 +141,7 @@ def test_presets_and_schedule():
     cfg = SignRoundStage.model_validate({"type": "signround", "scheme": {"bits": 4}})
     assert cfg.schedule() == (200, 1 / 200)
     light = SignRoundStage.model_validate({"type": "signround", "preset": "light", "scheme": {"bits": 4}})
-    assert light.schedule() == (50, 5e-3)
+    assert light.schedule() == (32, 1 / 32)
     own = SignRoundStage.model_validate({"type": "signround", "preset": "best", "iters": 10, "scheme": {"bits": 4}})
     assert own.schedule() == (10, 0.1)
 
