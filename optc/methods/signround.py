@@ -25,9 +25,9 @@ log = logging.getLogger(__name__)
 
 # Iterations and learning rate of each preset: the paper's 200 at 1/iters; best four times the
 # default's steps; light 32 at 1/32. From GPTQ's start on the default model (W4 g64, fixed
-# protocol), 32 steps at 1/32 scored 22.31 in 0.64 of the time of AutoRound's light preset's 50 at
-# 5e-3 (22.36): a step of 1/32 lets V cross a whole rounding cell over the run, as the default's
-# schedule does, where 50 steps at 5e-3 only reach the weights within 0.13 of a boundary.
+# protocol), 32 steps at 1/32 scored 22.31 and AutoRound's light schedule, 50 steps at 5e-3,
+# 22.36: at 1/32 the decaying steps add up to half a rounding cell, as the default's schedule
+# does, where 50 at 5e-3 only reach the weights within 0.13 of a boundary.
 PRESETS: dict[str, tuple[int, float | None]] = {"light": (32, None), "default": (200, None), "best": (800, None)}
 
 # Samples of one training forward and backward (a step of ``batch`` samples takes several): a
