@@ -134,7 +134,7 @@ def _call_layer(layer: nn.Module, batch: Batch, autocast: torch.dtype | None = N
     hidden = batch.hidden
     param = next(layer.parameters(), None)
     if param is not None and param.is_floating_point() and hidden.dtype != param.dtype:
-        hidden = hidden.to(param.dtype)  # inputs stored in another dtype (``hidden_dtype``)
+        hidden = hidden.to(param.dtype)  # a stream a method keeps in another dtype (advance_other)
     with backend:
         out = layer(hidden, *batch.args, **batch.kwargs)
     out = out[0] if isinstance(out, tuple) else out
@@ -300,7 +300,6 @@ def run_sequential(
     description: str = "calibrating",
     store: LayerStore | None = None,
     records: dict | None = None,
-    hidden_dtype: torch.dtype | None = None,
 ) -> list[dict]:
     """Calibrate ``model`` layer by layer on ``ids`` ([samples, seqlen]); returns per-layer stats.
 
@@ -308,8 +307,7 @@ def run_sequential(
     the compressed ones (one forward per layer less; used by observers that do not change
     weights). ``store`` saves each finished layer (resume) and, when streaming, loads each
     layer before and frees it after; ``records`` is the solver's per-Linear statistics dict,
-    which the store saves and restores with the layers. ``hidden_dtype`` stores the layers'
-    inputs in another dtype than the model's (bfloat16 under a bfloat16 autocast halves them).
+    which the store saves and restores with the layers.
     """
     device = torch.device(device)
     progress = progress or NullProgress()
@@ -325,9 +323,6 @@ def run_sequential(
     with torch.inference_mode():
         batches = capture_first_layer_inputs(model, ids, batch_size, device)
     start = store.start(model, prefix, layers, batches) if store is not None else 0
-    if hidden_dtype is not None:
-        for b in batches:
-            b.hidden = b.hidden.to(hidden_dtype)
     with progress.task(description, total=len(layers)) as advance:
         for i, layer in enumerate(layers):
             t0 = time.perf_counter()

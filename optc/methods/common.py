@@ -34,14 +34,13 @@ def record_quantized(ws: Workspace, name: str, module: torch.nn.Module, w_hat, p
 def run_calibration(ws: Workspace, cfg: LinearsConfig, solve, description: str, records: dict | None = None,
                     autocast: torch.dtype | None = None) -> list[dict]:
     """Layer by layer over the calibration samples, ``solve`` called on each layer's step; the
-    layer forwards in ``autocast`` (default: the calibration's setting), with the layers' inputs
-    stored in that dtype when it is given."""
+    layer forwards in ``autocast`` (default: the calibration's setting)."""
     return run_sequential(
         ws.model, ws.calibration_ids(), solve,
         targets=cfg.targets, ignore=cfg.ignore,
         batch_size=ws.calibration.resolved_batch_size(ws.device), device=ws.device,
         autocast=autocast or ws.calibration.autocast_dtype(), progress=ws.progress, description=description,
-        store=ws.store, records=records, hidden_dtype=autocast,
+        store=ws.store, records=records,
     )
 
 

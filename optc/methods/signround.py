@@ -142,8 +142,7 @@ def check_trainable(step: LayerStep, names: list[str]) -> None:
             w.grad = None
         try:
             a, kw = _take(_plain((b.args, b.kwargs)), [0], b.hidden.shape[0])
-            x = b.hidden[:1].to(next(iter(weights.values())).dtype)  # the stream may be stored in bfloat16
-            out = step.layer(_plain(x), *a, **kw)
+            out = step.layer(_plain(b.hidden[:1]), *a, **kw)
             out = out[0] if isinstance(out, tuple) else out
             if out.requires_grad:
                 out.float().sum().backward()
@@ -316,7 +315,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         where = [(i, r) for i, n in enumerate(sizes) for r in range(n)]
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step.index)
         device_type = step.batches[0].hidden.device.type
-        layer_dtype = weight_2d(step.linears[names[0]]).dtype  # the streams may be stored in bfloat16
+        layer_dtype = weight_2d(step.linears[names[0]]).dtype  # the float stream may be in bfloat16
         amp = torch.autocast(device_type, dtype=dtype) if dtype is not None else None
 
         # Frozen clip factors (GPTQ's start): the grid is fixed, so each step rounds without an
