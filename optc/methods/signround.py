@@ -23,12 +23,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Iterations and learning rate of each preset: the paper's 200 at 1/iters; best four times the
-# default's steps; light 32 at 1/32. From GPTQ's start on the default model (W4 g64, fixed
+# Iterations of each preset, every one at a learning rate of 1/iters: the paper's 200; best four
+# times the default's steps; light 32. From GPTQ's start on the default model (W4 g64, fixed
 # protocol), 32 steps at 1/32 scored 22.31 and AutoRound's light schedule, 50 steps at 5e-3,
 # 22.36: at 1/32 the decaying steps add up to half a rounding cell, as the default's schedule
 # does, where 50 at 5e-3 only reach the weights within 0.13 of a boundary.
-PRESETS: dict[str, tuple[int, float | None]] = {"light": (32, None), "default": (200, None), "best": (800, None)}
+PRESETS: dict[str, int] = {"light": 32, "default": 200, "best": 800}
 
 # Samples of one training forward and backward (a step of ``batch`` samples takes several): a
 # decoder layer's saved activations and their gradients grow with the tokens of a pass, and at
@@ -81,9 +81,8 @@ class SignRoundStage(WeightQuantConfig):
 
     def schedule(self) -> tuple[int, float]:
         """Iterations per layer and initial learning rate."""
-        iters, lr = PRESETS[self.preset]
-        iters = self.iters or iters
-        return iters, self.lr or lr or 1.0 / iters
+        iters = self.iters or PRESETS[self.preset]
+        return iters, self.lr or 1.0 / iters
 
 
 @functools.cache
