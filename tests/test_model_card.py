@@ -98,13 +98,19 @@ def test_chat_calibrated_example_recipe(tiny_checkpoint: Path, tmp_path: Path) -
 
 
 def test_readme_recipes_parse() -> None:
-    """Every recipe shown in the README (a ```yaml block with ``version:``) is a valid recipe."""
+    """Every recipe shown in the README or docs/ (a ```yaml block with ``version:``) is a valid recipe."""
     import re
 
     from optc.recipe import parse_recipe, safe_load_unique
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", readme, flags=re.S) if b.startswith("version:")]
-    assert len(blocks) >= 2
-    for block in blocks:
-        parse_recipe(safe_load_unique(block), "README.md")
+    root = Path(__file__).parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    found = {}
+    for page in pages:
+        text = page.read_text()
+        found[page.name] = [b for b in re.findall(r"```yaml\n(.*?)```", text, flags=re.S) if b.startswith("version:")]
+    # the README's own recipe and docs/data.md's chat recipe: a regex that stops matching must fail here
+    assert found["README.md"] and found["data.md"]
+    for name, blocks in found.items():
+        for block in blocks:
+            parse_recipe(safe_load_unique(block), name)
