@@ -236,3 +236,18 @@ def test_input_groups_follow_the_layer_calls(arch: str) -> None:
     assert found["forwards"] == 1  # a single batch is not a layer forward
     if arch == "llama":
         assert [len(g) for g in found["groups"]] == [3, 1, 2, 1]
+
+
+@pytest.mark.parametrize("samples, batches", [(None, 3), (1, 1), (2, 1), (3, 2), (99, 3)])
+def test_collect_takes_the_first_batches_holding_the_samples(samples, batches) -> None:
+    model = tiny_model("llama")
+    ids = tiny_tokens(n=6, seqlen=8)
+    seen: list[torch.Tensor] = []
+
+    def solve(step):
+        if step.index == 0:
+            step.collect(["model.layers.0.self_attn.q_proj"], lambda n, m: _Keep(seen), samples=samples)
+        return {}
+
+    run_sequential(model, ids, solve, targets=[".*"], ignore=[], batch_size=2)
+    assert len(seen) == batches and all(x.shape[0] == 2 for x in seen)

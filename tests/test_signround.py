@@ -235,3 +235,17 @@ def test_picked_samples_are_batched_with_their_own_layer_inputs():
     parts = list(_step_batches(pick, bs, None, targets, [(b.args, b.kwargs) for b in bs]))
     assert [p[4] for p in parts] == [1 / 3, 2 / 3]
     assert [p[0].shape[0] for p in parts] == [1, 2] and torch.equal(parts[0][1][0][0], cos[0][1:])
+
+
+def test_hessian_samples_limit_the_start_statistics():
+    ids = tiny_tokens(8, 32)
+    base = tiny_model("llama")
+    with torch.no_grad():
+        ref = base(ids).logits
+    rtn = copy.deepcopy(base)
+    _quantize(rtn, ids, type="rtn")
+    model = copy.deepcopy(base)
+    _quantize(model, ids, iters=20, hessian_samples=2)
+    assert logit_error(model, ref, ids) < logit_error(rtn, ref, ids)
+    with pytest.raises(ValueError, match="hessian_samples"):
+        SignRoundStage(type="signround", scheme={"bits": 4}, hessian_samples=0)

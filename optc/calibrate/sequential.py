@@ -17,6 +17,7 @@ calibration batches and every collect ends with the accumulators reduced across 
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import os
 import time
@@ -166,13 +167,18 @@ class LayerStep:
         return sum(b.hidden.shape[0] * b.hidden.shape[1] for b in self.batches)
 
     def collect(
-        self, names: list[str], make: Callable[[str, nn.Module], Accumulator]
+        self, names: list[str], make: Callable[[str, nn.Module], Accumulator], samples: int | None = None,
     ) -> dict[str, Accumulator]:
         """Run the layer on every batch, feeding each named Linear's input to its accumulator.
 
         Linears that receive the very same input tensor (q/k/v after one norm, gate/up) share
-        one accumulator, so each distinct input is reduced once.
+        one accumulator, so each distinct input is reduced once. ``samples``: only the first
+        batches, as many as hold that many samples (per process).
         """
+        batches = self.batches
+        if samples is not None:
+            ends = list(itertools.accumulate(b.hidden.shape[0] for b in batches))
+            batches = batches[: next((i + 1 for i, e in enumerate(ends) if e >= samples), len(batches))]
         accs: dict[str, Accumulator] = {}
         alias: dict[str, str] = {}
         seen: list[tuple[torch.Tensor, str]] = []  # inputs of this batch, kept alive
@@ -202,7 +208,7 @@ class LayerStep:
 
         self.forwards += 1
         with torch.inference_mode(), input_hooks({n: self.linears[n] for n in names}, feed):
-            for i, b in enumerate(self.batches):
+            for i, b in enumerate(batches):
                 try:
                     _call_layer(self.layer, b, self.autocast)
                 except StopForward:

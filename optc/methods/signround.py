@@ -64,6 +64,9 @@ class SignRoundStage(WeightQuantConfig):
         "auto", description="bfloat16 matmuls in the training loop; auto: on CPUs with AMX and on accelerators")
     seed: int = 0
     dampening: float = Field(0.01, gt=0, description="GPTQ start: fraction of mean diag(H) added to H")
+    hessian_samples: int | None = Field(
+        None, gt=0, description="calibration sequences whose inputs form the Hessians of the GPTQ start and the "
+        "scale refit (default: all)")
 
     @model_validator(mode="after")
     def _integer_grids(self) -> SignRoundStage:
@@ -275,7 +278,8 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         # The start's statistics in the training's dtype too: float32 products of down_proj's
         # 1536-wide inputs cost as much as the collecting forward itself.
         hessians = step.collect(names, lambda _n, m: HessianAccumulator(
-            weight_2d(m).shape[1], matmul_dtype=dtype or ws.calibration.autocast_dtype(), fold=step.fold)) if need_h else {}
+            weight_2d(m).shape[1], matmul_dtype=dtype or ws.calibration.autocast_dtype(), fold=step.fold),
+            samples=cfg.hessian_samples) if need_h else {}
         H = {n: hessians[n].H for n in names} if need_h else {}
         states: dict[str, sr.Rounding] = {}
         if cfg.start == "gptq":
