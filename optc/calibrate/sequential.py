@@ -16,6 +16,7 @@ calibration batches and every collect ends with the accumulators reduced across 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import logging
@@ -177,8 +178,8 @@ class LayerStep:
         """
         batches = self.batches
         if samples is not None:
-            ends = list(itertools.accumulate(b.hidden.shape[0] for b in batches))
-            batches = batches[: next((i + 1 for i, e in enumerate(ends) if e >= samples), len(batches))]
+            held = list(itertools.accumulate(b.hidden.shape[0] for b in batches))
+            batches = batches[: bisect.bisect_left(held, samples) + 1]
         accs: dict[str, Accumulator] = {}
         alias: dict[str, str] = {}
         seen: list[tuple[torch.Tensor, str]] = []  # inputs of this batch, kept alive
