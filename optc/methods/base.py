@@ -53,7 +53,8 @@ def _default_candidates() -> list[QuantScheme | None]:
     # 576- and 1536-wide inputs of the default model, 128 the power-of-two widths of most others (a
     # size that divides no width is stored as the finer size that does, so it is never chosen).
     # No int2: the second-order estimate underrates it, and with it the 3.25-bit mix scored worse
-    # (30.86 against 29.93 on the default model); a target below int3 g192 names the candidates to add.
+    # (30.86 against 29.93 on the default model); a target below int3 g192 is refused with the
+    # candidates listed, so a user can add it.
     return [QuantScheme(bits=b, group_size=g) for b in (3, 4) for g in (64, 96, 128, 192)] + [
         QuantScheme(bits=8, group_size=64), None]
 
