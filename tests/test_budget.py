@@ -115,6 +115,7 @@ def test_bits_per_weight_budget_end_to_end(tiny_checkpoint: Path, tmp_path: Path
     stage = report["stages"][0]
     budget = stage["stats"]["budget"]
     assert budget["bits_per_weight"] <= 5.5
+    assert budget["observer"] == "mse"  # GPTQ's own grid search
     assert report["metrics"]["size"]["linear_bits_per_weight"] == pytest.approx(budget["bits_per_weight"], abs=1e-4)
     modules = stage["stats"]["modules"]
     assert all(m["scheme"] == "int8-sym-g64" for n, m in modules.items() if "down_proj" in n)
@@ -199,10 +200,12 @@ def test_output_fisher_is_the_mean_squared_output_gradient() -> None:
 
 def test_fisher_sensitivity_runs(tiny_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
-    result = _run(_recipe(tmp_path, {"bits_per_weight": 4.5, "sensitivity": "fisher"}), tiny_checkpoint, out)
+    result = _run(_recipe(tmp_path, {"bits_per_weight": 4.5, "sensitivity": "fisher", "observer": "minmax"}),
+                  tiny_checkpoint, out)
     assert result.exit_code == 0, (result.output, result.exception)
     budget = json.loads((out / "report.json").read_text())["stages"][0]["stats"]["budget"]
     assert budget["bits_per_weight"] <= 4.5
+    assert budget["observer"] == "minmax"
 
 
 def test_sweep_writes_the_trade_off(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -225,3 +228,39 @@ def test_pareto_front() -> None:
     pts = [{"bytes": 1, "perplexity": 30}, {"bytes": 2, "perplexity": 20}, {"bytes": 3, "perplexity": 25},
            {"bytes": 2, "perplexity": 20.5}]
     assert pareto(pts) == [True, True, False, False]
+
+
+def test_output_fisher_in_bfloat16_ranks_as_float32() -> None:
+    """The budget's Fisher pass runs in bfloat16 where that is fast: its weights must rank the
+    outputs as float32's do."""
+    from optc.calibrate.fisher import output_fisher
+    from optc.testing import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    names = ["model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"]
+    linears = {n: model.get_submodule(n) for n in names}
+    full = output_fisher(model, ids, linears)
+    half = output_fisher(model, ids, linears, autocast=torch.bfloat16)
+    for n in names:
+        assert torch.corrcoef(torch.stack([full[n].log(), half[n].log()]))[0, 1] > 0.99
+        assert half[n].sum() == pytest.approx(float(full[n].sum()), rel=0.1)
+
+
+def test_mse_grid_step_is_one_over_grid() -> None:
+    """The estimate's coarse search tries shrinks on a 1/grid step only, and never does worse than
+    min-max on its own (importance-weighted) objective."""
+    from optc.compress.quant import choose_qparams, fake_quantize
+    from optc.compress.schemes import QuantScheme
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 192, generator=g) * (1 + 4 * (torch.rand(48, 192, generator=g) > 0.98))
+    scheme = QuantScheme(bits=3, symmetric=True, group_size=64)
+    minmax = choose_qparams(w, scheme)
+    coarse = choose_qparams(w, scheme, "mse", grid=20)
+    shrink = coarse.scale / minmax.scale
+    steps = shrink * 20
+    assert torch.allclose(steps, steps.round(), atol=1e-3) and bool((shrink <= 1 + 1e-6).all())
+    assert bool((shrink < 1 - 1e-6).any())  # outliers: some groups clip
+    err = lambda p: float((fake_quantize(w, p) - w).abs().pow(2.4).sum())  # noqa: E731
+    assert err(coarse) <= err(minmax)

@@ -9,12 +9,14 @@ import torch
 
 
 def output_fisher(model: torch.nn.Module, ids: torch.Tensor, linears: dict[str, torch.nn.Module],
-                  batch_size: int = 1, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+                  batch_size: int = 1, device: torch.device | str = "cpu",
+                  autocast: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """``{name: [out_features] float64}``: the mean over ``ids``' tokens ([samples, seqlen]) of the
     squared gradient of the language-modelling loss at each output of each of ``linears``.
 
     The parameters get no gradients (only the activations' are formed), so the memory is the
-    forward's activations of one batch."""
+    forward's activations of one batch. ``autocast``: the forward and backward's matmul dtype
+    (e.g. bfloat16; None: the model's own)."""
     sums: dict[str, torch.Tensor] = {}
     handles = []
 
@@ -40,7 +42,8 @@ def output_fisher(model: torch.nn.Module, ids: torch.Tensor, linears: dict[str, 
                 x = batch.to(device)
                 embeds = embed(x).detach().requires_grad_(True)
                 # Summed over tokens, so every token weighs the same whatever its batch.
-                loss = model(inputs_embeds=embeds, labels=x).loss * (x.shape[0] * (x.shape[1] - 1))
+                with torch.autocast(torch.device(device).type, dtype=autocast, enabled=autocast is not None):
+                    loss = model(inputs_embeds=embeds, labels=x).loss * (x.shape[0] * (x.shape[1] - 1))
                 loss.backward()
                 tokens += x.numel()
     finally:

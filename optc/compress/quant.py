@@ -302,14 +302,15 @@ def choose_qparams(
     scheme: QuantScheme,
     observer: str = "minmax",
     importance: torch.Tensor | None = None,
+    grid: int = 100,
 ) -> QuantParams:
     """Pick parameters for a whole weight with the named observer (``minmax`` or ``mse``;
-    ``importance`` weights columns in the MSE search). A k-quant grid comes from its own
-    importance-weighted solver, whatever the observer."""
+    ``importance`` weights columns in the MSE search, ``grid`` sets its step, 1/grid of the
+    range). A k-quant grid comes from its own importance-weighted solver, whatever the observer."""
     if scheme.kquant_kind is not None:
         return kquant_params(w.float(), scheme, importance)
     if observer == "minmax":
         return compute_qparams(w, scheme)
     if observer == "mse":
-        return mse_clip_search(w, scheme, importance=importance)
+        return mse_clip_search(w, scheme, grid=grid, coarse=max(1, grid // 20), importance=importance)
     raise ValueError(f"unknown weight observer {observer!r} (expected 'minmax' or 'mse')")

@@ -89,6 +89,9 @@ class Budget(BaseModel):
         "(output: cheaper, but later layers' larger activations make their errors look larger than they cost)")
     samples: int = Field(
         8, gt=0, description="calibration sequences of the sensitivity pass (the first ones of the stage's)")
+    observer: Literal["minmax", "mse"] | None = Field(
+        None, description="the grid each candidate's error is estimated on: null: the stage's own observer "
+        "(GPTQ's mse search; minmax for a stage without one)")
 
     @field_validator("size")
     @classmethod

@@ -7,6 +7,7 @@ and the recipe schema stay torch-free.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -16,6 +17,24 @@ from optc.compress.masks import nm_violations
 from optc.methods.base import LinearsConfig
 from optc.methods.workspace import Workspace
 from optc.model.anatomy import find_decoder_layers, set_weight_2d, weight_2d
+
+
+@functools.cache
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def training_dtype(choice: str, device: str) -> torch.dtype | None:
+    """bfloat16 for matmuls whose rounding the result tolerates (a training loop's, an estimate's),
+    or None (float32): decided from the hardware, never by timing. On CPUs without AMX bfloat16
+    matmuls are no faster than float32 ones."""
+    if choice == "bfloat16" or (choice == "auto" and (torch.device(device).type != "cpu" or _has_amx())):
+        return torch.bfloat16
+    return None
 
 
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

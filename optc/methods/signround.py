@@ -4,7 +4,6 @@ learnt by signed gradient descent on the layer's output error, started from GPTQ
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import math
 import time
@@ -86,25 +85,6 @@ class SignRoundStage(WeightQuantConfig):
         """Iterations per layer and initial learning rate."""
         iters = self.iters or PRESETS[self.preset]
         return iters, self.lr or 1.0 / iters
-
-
-@functools.cache
-def _has_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
-
-
-def training_dtype(choice: str, device: str) -> torch.dtype | None:
-    """bfloat16 for the training loop's matmuls, or None (float32): decided from the hardware,
-    never by timing. On CPUs without AMX bfloat16 matmuls are no faster than float32 ones."""
-    import torch
-
-    if choice == "bfloat16" or (choice == "auto" and (device != "cpu" or _has_amx())):
-        return torch.bfloat16
-    return None
 
 
 def _plain(obj, copies: dict | None = None):
@@ -238,7 +218,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
     from optc.compress.gptq import refit_scales
     from optc.compress.quant import choose_qparams, group_view, quantize
     from optc.memory import limit_fragmentation
-    from optc.methods.common import record_quantized, run_calibration
+    from optc.methods.common import record_quantized, run_calibration, training_dtype
     from optc.methods.gptq import solve_gptq
     from optc.model.anatomy import weight_2d
 
