@@ -51,20 +51,23 @@ UPDATE = os.environ.get("OPTC_UPDATE_FINGERPRINTS") == "1"
 def _recipe_file(name: str, tmp: Path) -> str:
     """The built-in recipe; a recovery stage gets a two-step budget on four short sequences, and
     optimized rounding ten steps in float32 (its autocast follows the CPU: bfloat16 where it has
-    AMX) at a learning rate too small to move a code. Signed steps turn another CPU's last-bit
-    differences into other codes and another best iterate (the w2/w4 round recipes' pins, made
-    on an AVX2 host at their own rates, moved half the Linears by up to 0.27 on an AVX-512 one),
-    so the pin holds the GPTQ start, the scale refit and the layout; tests/test_signround.py
-    holds what the training itself must do. The start takes the min-max grid: at 2 bits the
-    MSE grid search meets near ties between clip candidates, and a relative 1e-7 change of the
-    tiny model's weights moved a 2-bit Linear by 0.59 through it (min-max: by 3e-7)."""
+    AMX) at a learning rate too small to move a code, from round-to-nearest on the MSE-searched
+    grid. Signed steps turn another CPU's last-bit differences into other codes and another best
+    iterate (the w2/w4 round recipes' pins, made on an AVX2 host at their own rates, moved half
+    the Linears by up to 0.27 on an AVX-512 one), and so do two starts on this tiny model: GPTQ's
+    (the w4 pin made on an AVX-512 host moved 5 of the 14 Linears, one by 0.11, on an AVX2 one),
+    and the min-max grid at 4 bits symmetric, whose most negative weight of a group sits on the
+    tie between the two lowest codes (ATEN_CPU_CAPABILITY=default, which moves the tiny model's
+    random weights by a few ulps, moved 12 of 14). From round-to-nearest on the MSE grid all
+    three round pins moved by under 4e-7 under that setting and under MKL_CBWR=COMPATIBLE. So the pin holds the start's grid, the scale refit and the layout;
+    the w4a16-gptq pin holds GPTQ, and tests/test_signround.py what the training itself must do."""
     data = yaml.safe_load(builtin_recipes()[name].read_text(encoding="utf-8"))
     recover = [s for s in data["stages"] if s["type"] == "recover"]
     rounding = [s for s in data["stages"] if s["type"] == "signround"]
     if not recover and not rounding:
         return name
     for stage in rounding:
-        stage.update(autocast="off", iters=10, lr=1e-5, observer="minmax")
+        stage.update(autocast="off", iters=10, lr=1e-9, start="rtn", observer="mse")
     for stage in recover:
         stage.pop("max_minutes", None)
         stage.pop("tokens", None)
