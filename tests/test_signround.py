@@ -58,6 +58,26 @@ def test_zero_offsets_reproduce_start_codes(scheme):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label())
+def test_fixed_grid_codes_finish_as_the_search_saw_them(scheme):
+    """On a fixed grid the stored codes rebuild exactly the weight the steps evaluated, on the
+    start's grid, and V = 0 gives the start codes back."""
+    w = _weight(seed=7)
+    start = compute_qparams(w, scheme, clip=0.8)
+    codes = quantize(w, start).int()
+    r = sr.init_rounding(w, scheme, start, codes)
+    fg = sr.fixed_grid(group_view(w, scheme.group_size), r, scheme)
+    w_hat, p = sr.finish_fixed(fg, sr.codes_fixed(fg, r.V, scheme), scheme, w.shape[1])
+    assert torch.equal(quantize(w_hat, p).int(), codes)
+    assert torch.allclose(p.scale, start.scale, rtol=1e-5) and torch.equal(p.zero, start.zero)
+    V = (torch.rand(r.V.shape, generator=torch.Generator().manual_seed(8)) - 0.5)
+    seen, _ = sr.dequantize_fixed(fg, V, scheme)
+    w_hat, p = sr.finish_fixed(fg, sr.codes_fixed(fg, V, scheme), scheme, w.shape[1])
+    assert torch.equal(w_hat, sr.as_weight(seen, w.shape[1]))
+    assert not torch.equal(quantize(w_hat, p).int(), codes)
+    assert torch.allclose(dequantize(quantize(w_hat, p), p), w_hat, atol=1e-7)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label())
 def test_signed_steps_stay_in_bounds_and_codes_stay_on_the_grid(scheme):
     w = _weight(seed=3)
     r = sr.requires_grad_(sr.init_rounding(w, scheme, compute_qparams(w, scheme, clip=0.9),
@@ -76,6 +96,20 @@ def test_signed_steps_stay_in_bounds_and_codes_stay_on_the_grid(scheme):
     # exporter stores these codes without re-rounding them.
     assert torch.allclose(dequantize(quantize(w_hat, p), p), w_hat, atol=1e-7)
     assert (p.scale > 0).all()
+
+
+def test_normalized_output_error_weighs_every_token_alike():
+    g = torch.Generator().manual_seed(9)
+    target = torch.randn(2, 6, 16, generator=g)
+    out = target + 0.01 * torch.randn(2, 6, 16, generator=g)
+    big_t, big_o = target.clone(), out.clone()
+    big_t[:, 0] *= 100  # a token with massive activations (an attention sink), its error as large relatively
+    big_o[:, 0] = big_t[:, 0] + 100 * (out[:, 0] - target[:, 0])
+    assert torch.allclose(sr.output_error(out, target), torch.nn.functional.mse_loss(out, target))
+    assert sr.output_error(big_o, big_t) > 1000 * sr.output_error(out, target)
+    assert torch.allclose(sr.output_error(big_o, big_t, True), sr.output_error(out, target, True), rtol=1e-5)
+    per_token = ((out - target).pow(2).mean(-1) / target.pow(2).mean(-1)).mean()
+    assert torch.allclose(sr.output_error(out, target, True), per_token)
 
 
 def test_the_best_iterate_beats_round_to_nearest():

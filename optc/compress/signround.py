@@ -107,6 +107,18 @@ def init_rounding(
     )
 
 
+def output_error(out: torch.Tensor, target: torch.Tensor, normalized: bool = False) -> torch.Tensor:
+    """The loss of a block's output ``out`` against ``target`` ([..., T, d]): the mean squared
+    error (the paper's, Sec. 3.2), or each token's squared error over its target's mean square,
+    averaged over tokens: the error as the next normalization (RMSNorm or LayerNorm, which
+    divide each token by its own scale) passes it on, so tokens with large activations do not
+    outweigh the rest."""
+    if not normalized:
+        return torch.nn.functional.mse_loss(out.float(), target.float())
+    scale = target.float().pow(2).mean(-1).clamp_min(1e-12)
+    return ((out.float() - target.float()).pow(2).mean(-1) / scale).mean()
+
+
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
     """``round(x)`` with the identity as its gradient (the straight-through estimator)."""
     return x + (torch.round(x) - x).detach()
@@ -150,7 +162,8 @@ class FixedGrid:
 
 
 def fixed_grid(w3: torch.Tensor, r: Rounding, scheme: QuantScheme) -> FixedGrid:
-    """The fixed part of Eq. 1 for ``r``'s current clip factors."""
+    """The fixed part of Eq. 1 for ``r``'s current clip factors. ``u`` holds ``r``'s start
+    offset, so from here on the codes are :func:`codes_fixed`'s and ``r.offset`` may be freed."""
     with torch.no_grad():
         s, z = grid(r, scheme)
         u = w3 / s[..., None]
@@ -166,6 +179,28 @@ def dequantize_fixed(fg: FixedGrid, V: torch.Tensor, scheme: QuantScheme) -> tup
         q = torch.round(fg.u + V).add_(fg.z)
         inside = (q >= scheme.qmin) & (q <= scheme.qmax)
         return q.clamp_(scheme.qmin, scheme.qmax).sub_(fg.z).mul_(fg.s), inside
+
+
+def codes_fixed(fg: FixedGrid, V: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """The integer codes of :func:`dequantize_fixed` ([N, G, g]), stored as ``q - qmin`` in
+    uint8: a quarter of ``V``'s memory, enough to rebuild ``W~`` exactly."""
+    with torch.no_grad():
+        q = torch.round(fg.u + V).add_(fg.z).clamp_(scheme.qmin, scheme.qmax)
+        return q.sub_(scheme.qmin).to(torch.uint8)
+
+
+def finish_fixed(fg: FixedGrid, codes: torch.Tensor, scheme: QuantScheme, k: int) -> tuple[torch.Tensor, QuantParams]:
+    """:func:`finish` for a search on a fixed grid: the weight ([N, K]) of ``codes``
+    (:func:`codes_fixed`'s) and its grid, the very codes the search evaluated."""
+    with torch.no_grad():
+        w_hat = as_weight((codes.float() + scheme.qmin - fg.z) * fg.s, k)
+    return w_hat, _params(fg.s[..., 0], fg.z[..., 0], scheme, k, w_hat.device)
+
+
+def _params(s: torch.Tensor, z: torch.Tensor, scheme: QuantScheme, k: int, device: torch.device) -> QuantParams:
+    # An all-zero group's codes are 0 on any grid: it stores the scale 1, as min-max grids do.
+    s = torch.where(s > 1e-12, s, torch.ones_like(s))
+    return QuantParams(scheme, s.clone(), z.round().to(torch.int32), default_g_idx(k, scheme).to(device))
 
 
 def set_v_grad_(r: Rounding, fg: FixedGrid, grad_w3: torch.Tensor, inside: torch.Tensor) -> None:
@@ -198,10 +233,7 @@ def finish(w: torch.Tensor, r: Rounding, scheme: QuantScheme) -> tuple[torch.Ten
         w3 = group_view(w.float(), scheme.group_size)
         s, z = grid(r, scheme)
         w_hat = as_weight(quantize_dequantize(w3, r, scheme), w.shape[1])
-    # An all-zero group's codes are 0 on any grid: it stores the scale 1, as min-max grids do.
-    s = torch.where(s > 1e-12, s, torch.ones_like(s))
-    p = QuantParams(scheme, s.clone(), z.round().to(torch.int32), default_g_idx(w.shape[1], scheme).to(w.device))
-    return w_hat, p
+    return w_hat, _params(s, z, scheme, w.shape[1], w.device)
 
 
 def requires_grad_(r: Rounding, clip: bool = True) -> Rounding:

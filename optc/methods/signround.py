@@ -30,10 +30,11 @@ log = logging.getLogger(__name__)
 PRESETS: dict[str, int] = {"light": 32, "default": 200, "best": 800}
 
 # Samples of one training forward and backward (a step of ``batch`` samples takes several): a
-# decoder layer's saved activations and their gradients grow with the tokens of a pass, and at
-# 8 x 512 tokens they were the largest part of the method's memory above GPTQ's; 4 x 512 tokens
-# still make large enough GEMMs.
-PASS_SAMPLES = 4
+# decoder layer's saved activations and their gradients grow with the tokens of a pass, and they
+# are the largest part of the method's memory above GPTQ's. On the default model 2 x 512 tokens
+# held the peak of the first four layers 90 MB below 4 x 512 at the same step time and losses:
+# the GEMMs are still large enough.
+PASS_SAMPLES = 2
 
 
 class SignRoundStage(WeightQuantConfig):
@@ -52,6 +53,9 @@ class SignRoundStage(WeightQuantConfig):
     inputs: Literal["quantized", "float"] = Field(
         "quantized", description="the quantized layer reads the quantized model's activations (AutoRound's setting) "
         "or the float model's; the target is always the float layer on the float model's activations")
+    loss: Literal["mse", "normalized"] = Field(
+        "mse", description="the layer output's mean squared error (AutoRound's), or each token's squared error over "
+        "its target's mean square (the error the next normalization sees)")
     observer: Literal["minmax", "mse"] = Field(
         "mse", description="the start grid: min-max, or the activation-weighted MSE search GPTQ uses (start: rtn, "
         "observer: minmax is AutoRound's start)")
@@ -209,7 +213,6 @@ def _step_batches(pick, batches, inputs, targets, args):
 
 def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
     import torch
-    import torch.nn.functional as F
     from torch.func import functional_call
     from transformers.pytorch_utils import Conv1D
 
@@ -224,10 +227,12 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
 
     # Each step allocates and frees the same large activations and gradients; from glibc's heap
     # they fragment it, and resident memory grew layer by layer (2.2 GiB peak on the default model).
-    # From 8 MiB they get their own pages (the MLP's activations and gradients at four samples of
-    # 512 tokens): over the first four layers of the default model the peak fell by 39 MB at the
-    # same step time. A lower threshold (4 MiB) put the hidden-size tensors there too, and their
-    # page faults made every step a quarter slower.
+    # From 8 MiB they get their own pages: with passes of four samples of 512 tokens (the MLP's
+    # activations and gradients above it) the peak over the first four layers of the default model
+    # fell by 39 MB at the same step time; a 4 MiB threshold put the hidden-size tensors there too,
+    # and their page faults made every step a quarter slower. With passes of two the step's tensors
+    # stay below it, and a full run's per-layer peaks stayed as far below the four-sample run's from
+    # the first layer to the last (no fragmentation building up).
     limit_fragmentation(8 << 20)
     iters, lr = cfg.schedule()
     dtype = training_dtype(cfg.autocast, ws.device)
@@ -309,6 +314,16 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         # autograd graph and takes V's gradient by the straight-through rule directly; the graph
         # through the rounding cost a fifth of every step.
         grids = None if cfg.learns_clip() else {n: sr.fixed_grid(w3[n], states[n], cfg.scheme_for(n)) for n in names}
+        if grids is not None:
+            # The grid holds the start offsets now: freed, a float32 copy of the layer's weights less.
+            for st in states.values():
+                st.offset = None
+
+        def snapshot() -> dict:
+            """The state to finish from: on a fixed grid its codes (uint8, a quarter of V)."""
+            if grids is None:
+                return {n: st.snapshot() for n, st in states.items()}
+            return {n: sr.codes_fixed(grids[n], states[n].V, cfg.scheme_for(n)) for n in names}
 
         def quantized() -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
             """Every weight's ``W~`` ([N, G, g]) and, on a fixed grid, where V has a gradient."""
@@ -336,7 +351,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
                     with amp if amp is not None else contextlib.nullcontext():
                         out = functional_call(step.layer, overrides, (x.to(layer_dtype), *a), kw)
                     out = out[0] if isinstance(out, tuple) else out
-                    loss = F.mse_loss(out.float(), target.float()) * (share * len(chunk) / len(pick))
+                    loss = sr.output_error(out, target, cfg.loss == "normalized") * (share * len(chunk) / len(pick))
                     if backward:
                         loss.backward()
                     total += loss.detach().item()
@@ -355,7 +370,8 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
                 value = loss_on(fixed, overrides, backward=False)
             log.debug("signround %s step %d: loss on the fixed samples %.5g", step.name, t, value)
             if value < best:
-                best, best_state = value, {n: st.snapshot() for n, st in states.items()}
+                best, best_state = value, None  # the old snapshot freed before the new one is taken
+                best_state = snapshot()
 
         best, best_state = math.inf, None
         t_train = time.perf_counter()
@@ -386,11 +402,15 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
             for p in frozen:
                 p.requires_grad_(True)
         train_seconds = time.perf_counter() - t_train
-        for n, st in states.items():
-            st.restore(best_state[n])
+        if grids is None:
+            for n, st in states.items():
+                st.restore(best_state[n])
         for name in names:
             scheme = cfg.scheme_for(name)
-            w_hat, p = sr.finish(weights[name], states[name], scheme)
+            if grids is None:
+                w_hat, p = sr.finish(weights[name], states[name], scheme)
+            else:
+                w_hat, p = sr.finish_fixed(grids[name], best_state[name], scheme, weights[name].shape[1])
             if name in ws.masks:
                 w_hat = w_hat * ws.masks[name].float()
             if cfg.refit_scales:
