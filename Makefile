@@ -23,7 +23,7 @@ demo: install
 
 test: install
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=20
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
