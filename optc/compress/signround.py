@@ -115,8 +115,8 @@ def output_error(out: torch.Tensor, target: torch.Tensor, normalized: bool = Fal
     outweigh the rest."""
     if not normalized:
         return torch.nn.functional.mse_loss(out.float(), target.float())
-    scale = target.float().pow(2).mean(-1).clamp_min(1e-12)
-    return ((out.float() - target.float()).pow(2).mean(-1) / scale).mean()
+    t = target.float()
+    return ((out.float() - t).pow(2).mean(-1) / t.pow(2).mean(-1).clamp_min(1e-12)).mean()
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:
@@ -172,11 +172,15 @@ def fixed_grid(w3: torch.Tensor, r: Rounding, scheme: QuantScheme) -> FixedGrid:
         return FixedGrid(u, s[..., None], z[..., None])
 
 
+def _unclamped_codes(fg: FixedGrid, V: torch.Tensor) -> torch.Tensor:
+    return torch.round(fg.u + V).add_(fg.z)
+
+
 def dequantize_fixed(fg: FixedGrid, V: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor]:
     """``W~`` of Eq. 1 on the fixed grid ([N, G, g], no autograd) and where its codes are inside
     the grid (the straight-through gradient's support)."""
     with torch.no_grad():
-        q = torch.round(fg.u + V).add_(fg.z)
+        q = _unclamped_codes(fg, V)
         inside = (q >= scheme.qmin) & (q <= scheme.qmax)
         return q.clamp_(scheme.qmin, scheme.qmax).sub_(fg.z).mul_(fg.s), inside
 
@@ -185,7 +189,7 @@ def codes_fixed(fg: FixedGrid, V: torch.Tensor, scheme: QuantScheme) -> torch.Te
     """The integer codes of :func:`dequantize_fixed` ([N, G, g]), stored as ``q - qmin`` in
     uint8: a quarter of ``V``'s memory, enough to rebuild ``W~`` exactly."""
     with torch.no_grad():
-        q = torch.round(fg.u + V).add_(fg.z).clamp_(scheme.qmin, scheme.qmax)
+        q = _unclamped_codes(fg, V).clamp_(scheme.qmin, scheme.qmax)
         return q.sub_(scheme.qmin).to(torch.uint8)
 
 
