@@ -33,6 +33,7 @@ from typer.testing import CliRunner
 
 from optc.cli.main import app
 from optc.export.load import load_checkpoint
+from optc.model.gguf_index import read_gguf_index
 from optc.recipe import builtin_recipes
 
 PINS = Path(__file__).parent / "data" / "recipe_fingerprints.json"
@@ -97,9 +98,7 @@ def fingerprint(out: Path) -> dict:
     layout = []
     ggufs = sorted(out.glob("*.gguf"))
     if ggufs:  # a GGUF file: every tensor's name, block type and shape
-        from gguf import GGUFReader
-
-        layout = [[t.name, t.tensor_type.name, [int(x) for x in t.shape]] for t in GGUFReader(str(ggufs[0])).tensors]
+        layout = [[t.name, t.type_name, list(t.shape)] for t in read_gguf_index(ggufs[0]).tensors]
     else:
         with safe_open(str(out / "model.safetensors"), framework="pt") as f:
             for key in sorted(f.keys()):

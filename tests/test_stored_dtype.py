@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from optc.cli.main import app
 from optc.export.source import stored_dtype
+from optc.model.gguf_index import read_gguf_index
 
 RUN = ["--no-eval", "-q", "--samples", "4", "--seqlen", "32"]
 
@@ -111,12 +112,10 @@ def _recipe(tmp_path: Path, fmt: str) -> str:
 
 
 def test_8bit_embedding_in_gguf_and_refused_elsewhere(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    from gguf import GGUFReader
-
     out = tmp_path / "gguf"
     _run("run", _recipe(tmp_path, "gguf-q4_0"), "--model", str(tiny_checkpoint), "--output", str(out), *RUN)
     (file,) = out.glob("*.gguf")
-    types = {t.name: t.tensor_type.name for t in GGUFReader(str(file)).tensors}
+    types = {t.name: t.type_name for t in read_gguf_index(file).tensors}
     assert types["token_embd.weight"] == "Q8_0"
     assert types["blk.0.attn_q.weight"] == "Q4_0"
     reloaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=file.name)  # transformers reads Q8_0 too

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from optc.model.anatomy import select_linears, weight_2d
+from optc.model.gguf_index import read_gguf_index
 from optc.model.safetensors_io import header_json
 from optc.errors import OptcError
 
@@ -75,9 +76,7 @@ def size_metrics(
     ggufs = [path] if path.suffix == ".gguf" else sorted(path.glob("*.gguf")) if path.is_dir() else []
     if len(ggufs) == 1 and not (path.is_dir() and (path / "config.json").exists()):
         # As llama.cpp's loader counts a GGUF file's bits per weight: its tensors' bytes, no metadata.
-        from gguf import GGUFReader
-
-        tensors = GGUFReader(str(ggufs[0])).tensors
+        tensors = read_gguf_index(ggufs[0]).tensors
         out["bytes_on_disk"] = (path.stat().st_size if path.is_file()
                                 else sum(p.stat().st_size for p in path.rglob("*") if p.is_file()))
         out["weight_bytes"] = sum(int(t.n_bytes) for t in tensors)

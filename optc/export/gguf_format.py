@@ -43,6 +43,7 @@ from optc.export.gguf_mix import BLOCK_OF, FALLBACK, GGUF_STORED_BITS, MIXES, Te
 from optc.export.imatrix import Imatrix, check_imatrix, read_imatrix
 from optc.export.registry import Format
 from optc.export.source import ExportSource, ModelSource, integer_grid, refuse_activations
+from optc.model.gguf_index import read_gguf_index
 from optc.model.gguf_keys import GGUF_PRE_TOKENIZER_KEY
 
 if TYPE_CHECKING:
@@ -663,40 +664,36 @@ def gguf_file(path: Path) -> Path | None:
     return None
 
 
-def _gguf_string(reader, key: str) -> str | None:
-    field = reader.fields.get(key)
-    return bytes(field.parts[field.data[0]]).decode() if field is not None else None
-
-
 def describe_gguf(path: Path) -> dict:
     """Architecture, block types, parameters and sparsity of a GGUF file."""
-    from gguf import GGUFReader, dequantize
+    from gguf import GGMLQuantizationType, dequantize
 
     path = gguf_file(path) or Path(path)
     try:
-        reader = GGUFReader(str(path))
-    except (OSError, ValueError, IndexError) as exc:  # truncated files fail inside numpy views
+        index = read_gguf_index(path)
+    except (OSError, ValueError) as exc:
         raise OptcError(f"cannot read GGUF file {path}: {exc}") from None
 
     types: dict[str, int] = {}
     params = zeros = linear_params = tensor_bytes = 0
     block_types: set[str] = set()
-    for t in reader.tensors:
-        name = t.tensor_type.name
+    for t in index.tensors:
+        qtype = GGMLQuantizationType(t.qtype)
+        name = qtype.name
         types[name] = types.get(name, 0) + 1
         params += int(t.n_elements)
         tensor_bytes += int(t.n_bytes)
         if len(t.shape) > 1 and t.name.startswith("blk."):
             block_types.add(name)
             try:
-                zeros += int((dequantize(t.data, t.tensor_type) == 0).sum())
+                zeros += int((dequantize(index.data(t), qtype) == 0).sum())
             except (NotImplementedError, ValueError) as exc:
                 raise OptcError(f"cannot read tensor {t.name} of GGUF file {path}: {exc}") from None
             linear_params += int(t.n_elements)
     size = path.stat().st_size
     info = {
         "path": str(path),
-        "architecture": _gguf_string(reader, "general.architecture") or "?",
+        "architecture": index.string("general.architecture") or "?",
         "format": "gguf",
         "scheme": "+".join(sorted(block_types)) or "-",
         "tensor_types": types,
@@ -709,11 +706,10 @@ def describe_gguf(path: Path) -> dict:
         "symmetric": sorted({n in ("Q4_0", "Q5_0", "Q8_0") for n in block_types if n.startswith("Q")}),
         "act_order": ["False"],
     }
-    scheme = _gguf_string(reader, "optc.scheme")
+    scheme = index.string("optc.scheme")
     if scheme is not None:
-        exact = reader.fields.get("optc.exact_modules")
         info["optc_scheme"] = scheme
-        info["optc_exact_modules"] = int(exact.parts[exact.data[0]][0]) if exact is not None else 0
+        info["optc_exact_modules"] = int(index.fields.get("optc.exact_modules", 0))
     info.update({"parameters": params, "sparsity": round(zeros / linear_params, 4) if linear_params else 0.0,
                  "bytes": size, "ratio_to_fp16": round(size / max(1, 2 * params), 4)})
     return info
@@ -723,12 +719,10 @@ def describe_gguf(path: Path) -> dict:
 def _file_type(path: str, mtime_ns: int, size: int) -> int | None:
     """``general.file_type`` of a GGUF file, or None when it cannot be read (cached per file state)."""
     try:
-        from gguf import GGUFReader
-
-        field = GGUFReader(path).fields.get("general.file_type")
-        return int(field.parts[field.data[0]][0]) if field is not None else None
-    except (OSError, ValueError, IndexError, KeyError):
+        field = read_gguf_index(path).fields.get("general.file_type")
+    except (OSError, ValueError):
         return None
+    return int(field) if isinstance(field, int) else None
 
 
 def _detect(qtype: str, path: Path) -> bool:

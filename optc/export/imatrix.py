@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from optc.errors import OptcError
+from optc.model.gguf_index import read_gguf_index
 
 if TYPE_CHECKING:
     import torch
@@ -41,40 +42,33 @@ def read_imatrix(path: Path) -> Imatrix:
     """An imatrix file written by ``llama-imatrix`` (or by :func:`write_imatrix`); a file that is not
     one is refused naming what is wrong."""
     import torch
-    from gguf import GGUFReader
 
     path = Path(path).expanduser()
     try:
-        reader = GGUFReader(str(path))
-    except (OSError, ValueError, IndexError) as exc:
+        index = read_gguf_index(path)
+    except (OSError, ValueError) as exc:
         raise OptcError(f"cannot read imatrix {path}: {exc} (llama.cpp's legacy .dat imatrix is not read: "
                         "convert it with llama-imatrix --in-file X.dat -o X.gguf)") from None
 
-    def value(key: str):
-        f = reader.fields.get(key)
-        return None if f is None else f.parts[f.data[0]]
-
-    kind = value("general.type")
-    if kind is None or bytes(kind).decode() != "imatrix":
+    kind = index.fields.get("general.type")
+    if kind != "imatrix":
         raise OptcError(f"{path} is a GGUF file but not an imatrix (general.type is "
-                        f"{bytes(kind).decode() if kind is not None else 'missing'})")
-    datasets_field = reader.fields.get("imatrix.datasets")
-    datasets = [] if datasets_field is None else [bytes(datasets_field.parts[i]).decode() for i in datasets_field.data]
+                        f"{kind if kind is not None else 'missing'})")
+    datasets = [str(d) for d in index.fields.get("imatrix.datasets", [])]
     sums: dict[str, torch.Tensor] = {}
     counts: dict[str, float] = {}
-    for t in reader.tensors:
+    for t in index.tensors:
         for suffix, into in ((".in_sum2", sums), (".counts", counts)):
             if t.name.endswith(suffix):
-                if t.tensor_type.name != "F32":
-                    raise OptcError(f"imatrix {path}: {t.name} is {t.tensor_type.name}, not F32")
-                data = torch.from_numpy(t.data.copy()).float().reshape(-1)
+                if t.type_name != "F32":
+                    raise OptcError(f"imatrix {path}: {t.name} is {t.type_name}, not F32")
+                data = torch.from_numpy(index.data(t).astype("float32")).reshape(-1)
                 into[t.name.removesuffix(suffix)] = data if into is sums else float(data.sum())
     missing = sorted(set(sums) ^ set(counts))
     if missing:
         raise OptcError(f"imatrix {path}: {missing[0]} has in_sum2 without counts or counts without in_sum2")
-    chunk_count, chunk_size = value("imatrix.chunk_count"), value("imatrix.chunk_size")
-    return Imatrix(sums, counts, datasets, int(chunk_count[0]) if chunk_count is not None else 0,
-                   int(chunk_size[0]) if chunk_size is not None else 0)
+    return Imatrix(sums, counts, datasets, int(index.fields.get("imatrix.chunk_count", 0)),
+                   int(index.fields.get("imatrix.chunk_size", 0)))
 
 
 def write_imatrix(path: Path, imatrix: Imatrix) -> Path:

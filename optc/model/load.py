@@ -30,6 +30,7 @@ from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from optc.errors import OptcError
+from optc.model.gguf_index import read_gguf_index
 from optc.model.gguf_keys import GGUF_PRE_TOKENIZER_KEY
 
 log = logging.getLogger(__name__)
@@ -120,22 +121,14 @@ def _strip_gguf_marks(model: torch.nn.Module) -> None:
 
 def _gguf_header(path: Path) -> dict[str, str]:
     """The architecture and tokenizer pre-type a GGUF file declares; a file too short or malformed
-    to have them is refused in one line (gguf's reader fails with struct and numpy errors on it)."""
-    import struct
-
-    from gguf import GGUFReader
-
-    def text(reader: GGUFReader, key: str) -> str | None:
-        field = reader.fields.get(key)
-        return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace") if field else None
-
+    to have them is refused in one line, before transformers' loader meets it."""
     try:
-        reader = GGUFReader(str(path))
-        return {"architecture": text(reader, "general.architecture") or "unknown",
-                "pre": text(reader, "tokenizer.ggml.pre") or ""}
-    except (ValueError, IndexError, KeyError, EOFError, OSError, struct.error) as exc:
+        index = read_gguf_index(path)
+    except (ValueError, OSError) as exc:
         raise OptcError(f"cannot load GGUF file {path} ({path.stat().st_size} bytes): not a readable GGUF file "
                         f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from None
+    return {"architecture": index.string("general.architecture") or "unknown",
+            "pre": index.string("tokenizer.ggml.pre") or ""}
 
 
 def _load_gguf(path: Path, dtype: torch.dtype):

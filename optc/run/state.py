@@ -278,7 +278,8 @@ class LayerStore:
         if not last:
             acts = {str(j): b.hidden for j, b in enumerate(batches)}
             staged.append(self._stage(_layer_file("acts", i), acts))
-        progress = self._progress()
+        # Serialized here: the layer list and its records keep changing while the commit runs.
+        progress = json.dumps(self._progress(), indent=1)
         self._saved_at = time.monotonic()
         self.flush()  # at most one save in flight; its errors (a full disk) surface here
         if self._committer is None:
@@ -291,7 +292,7 @@ class LayerStore:
         write_file(tmp, entries, metadata)
         return tmp
 
-    def _commit(self, staged: list[Path], progress: dict, old_acts: Path) -> None:
+    def _commit(self, staged: list[Path], progress: str, old_acts: Path) -> None:
         for tmp in staged:
             fd = os.open(tmp, os.O_RDONLY)
             try:
@@ -377,11 +378,12 @@ class LayerStore:
     def _restore_qparams(self, i: int) -> None:
         self.qparams.update(self.layer_qparams(i))
 
-    def _write_json(self, path: Path, data: dict) -> None:
+    def _write_json(self, path: Path, data: dict | str) -> None:
+        """``data`` (or its JSON text) written durably under ``path``."""
         self.directory.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp")
         with tmp.open("w") as fh:
-            json.dump(data, fh, indent=1)
+            fh.write(data if isinstance(data, str) else json.dumps(data, indent=1))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
