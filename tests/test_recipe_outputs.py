@@ -6,7 +6,9 @@ a pinned fingerprint (``tests/data/recipe_fingerprints.json``):
 - its layout (every tensor's name, dtype and shape, and the config's quantization block) exactly;
 - every stored floating tensor, and every tensor of the checkpoint read back as a float model (so
   the integer codes through their grids), by a count sketch of 16 signed buckets: the relative
-  L2 distance between two sketches estimates the relative L2 distance between the tensors.
+  L2 distance between two sketches estimates the relative L2 distance between the tensors. A GGUF
+  file's tensors are sketched as gguf-py dequantizes its blocks, under their GGUF names
+  (transformers' loading of GGUF files is tested on its own, and costs seconds per file).
 
 A byte hash would be exact, but BLAS kernels round differently on another CPU (AVX-512 against
 AVX2, MKL's code paths on Intel against AMD): the matmuls of calibration then differ in the last
@@ -45,7 +47,7 @@ BUCKETS = 16
 # GPTQ against round-to-nearest: median 2e-3) and at 4 bits beyond FLIP (0.1 to 0.2).
 NOISE = 1e-4
 FLIP = 0.15
-LINEAR = re.compile(r"layers\.\d+\..*_proj\.weight$")
+LINEAR = re.compile(r"layers\.\d+\..*_proj\.weight$|^blk\.\d+\.(attn_[qkv]|attn_output|ffn_(gate|up|down))\.weight$")
 UPDATE = os.environ.get("OPTC_UPDATE_FINGERPRINTS") == "1"
 
 
@@ -93,13 +95,18 @@ def _sketch(name: str, x: torch.Tensor) -> list[float]:
 
 def fingerprint(out: Path) -> dict:
     """Layout hash and per-tensor sketches of the checkpoint written in ``out``."""
-    model = load_checkpoint(str(out)).model
-    sketches = {k: _sketch(k, t) for k, t in sorted(model.state_dict().items()) if t.is_floating_point()}
     layout = []
     ggufs = sorted(out.glob("*.gguf"))
-    if ggufs:  # a GGUF file: every tensor's name, block type and shape
-        layout = [[t.name, t.type_name, list(t.shape)] for t in read_gguf_index(ggufs[0]).tensors]
+    if ggufs:  # a GGUF file: every tensor's name, block type and shape, and its values as stored
+        from gguf import dequantize
+
+        index = read_gguf_index(ggufs[0])
+        layout = [[t.name, t.type_name, list(t.shape)] for t in index.tensors]
+        sketches = {t.name: _sketch(t.name, torch.from_numpy(dequantize(index.data(t), t.qtype).astype("float64")))
+                    for t in index.tensors}
     else:
+        model = load_checkpoint(str(out)).model
+        sketches = {k: _sketch(k, t) for k, t in sorted(model.state_dict().items()) if t.is_floating_point()}
         with safe_open(str(out / "model.safetensors"), framework="pt") as f:
             for key in sorted(f.keys()):
                 t = f.get_tensor(key)

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from optc.cli.main import app
 from optc.export.source import stored_dtype
 from optc.model.gguf_index import read_gguf_index
+from test_formats_support import make_model, make_tokenizer
 
 RUN = ["--no-eval", "-q", "--samples", "4", "--seqlen", "32"]
 
@@ -31,14 +32,25 @@ def _run(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny float32 Llama directory with a 320-token tokenizer: loading a GGUF file costs what
+    its tokenizer's arrays cost (transformers reads them with gguf-py, several times per load)."""
+    tokenizer = make_tokenizer()
+    path = tmp_path_factory.mktemp("small") / "small-llama"
+    make_model(len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
 def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer
 
     from optc.export.gguf_format import write_gguf
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval()
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_gguf(model, AutoTokenizer.from_pretrained(tiny_checkpoint), path, "f16")
+    write_gguf(AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval(), AutoTokenizer.from_pretrained(tiny_checkpoint),
+               path, "f16")
     return path
 
 

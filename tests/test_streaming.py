@@ -35,6 +35,7 @@ from optc.run.pipeline import run_recipe
 from optc.export.formats import FORMATS
 from optc.recipe import parse_recipe
 from optc.testing import TINY_ARCHS, tiny_model, tiny_tokens, write_random_model
+from test_formats_support import make_tokenizer
 
 runner = CliRunner()
 # Files that legitimately differ between two runs: timings (report) and the recipe's own
@@ -49,19 +50,31 @@ def _same_files(a: Path, b: Path, skip: set[str] = _VARYING) -> None:
     assert not different, different
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, default_tokenizer) -> Path:
-    """A 3-layer Llama with untied embeddings (so lm_head is streamed too) and a real tokenizer."""
+def _model_dir(root: Path, tokenizer) -> Path:
+    """A 3-layer Llama with untied embeddings (so lm_head is streamed too) and ``tokenizer``."""
     cfg = LlamaConfig(
-        vocab_size=len(default_tokenizer), hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=160, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-        bos_token_id=default_tokenizer.bos_token_id, eos_token_id=default_tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(0)
-    path = tmp_path_factory.mktemp("stream") / "model"
+    path = root / "model"
     LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    default_tokenizer.save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_tokenizer) -> Path:
+    """With the default model's tokenizer."""
+    return _model_dir(tmp_path_factory.mktemp("stream"), default_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dir(tmp_path_factory) -> Path:
+    """With a 320-token tokenizer: every GGUF file holds its tokenizer, the default one's arrays
+    are most of a tiny GGUF export's time."""
+    return _model_dir(tmp_path_factory.mktemp("small"), make_tokenizer())
 
 
 def _recipe(model: Path, method: str = "gptq", streaming: bool | str = False, samples: int = 8):
@@ -171,9 +184,9 @@ def test_streaming_refuses_what_it_cannot_do(tiny_dir):
 
 
 @pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "compressed-tensors"])
-def test_streaming_writes_every_format_as_in_memory(tiny_dir, tmp_path, fmt):
+def test_streaming_writes_every_format_as_in_memory(small_vocab_dir, tmp_path, fmt):
     """The streamed run's sink is the format's own writer, fed from disk: same bytes as in memory."""
-    data = _recipe(tiny_dir, "rtn").model_dump(mode="json")
+    data = _recipe(small_vocab_dir, "rtn").model_dump(mode="json")
     data["evaluation"] = None
     data["export"]["format"] = fmt
     for mode in ("memory", "stream"):
