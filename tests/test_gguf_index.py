@@ -89,3 +89,7 @@ def test_index_refuses_what_is_not_a_whole_gguf_file(tmp_path) -> None:
     cut.write_bytes(raw[:4] + (9).to_bytes(4, "little") + raw[8:])
     with pytest.raises(ValueError, match="version 9"):
         read_gguf_index(cut)
+    at = raw.index(b"general.alignment") + len(b"general.alignment") + 4  # past the key and its type
+    cut.write_bytes(raw[:at] + (48).to_bytes(4, "little") + raw[at + 4:])
+    with pytest.raises(ValueError, match="48 is not a power of two"):
+        read_gguf_index(cut)

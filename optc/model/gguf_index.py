@@ -169,7 +169,9 @@ def read_gguf_index(path: Path | str) -> GGUFIndex:
                 shape = tuple(int(cur.take("Q")) for _ in range(n_dims))
                 entries.append((name, cur.take("I"), shape, cur.take("Q")))
             size = len(buf)
-    alignment = int(fields.get("general.alignment", _DEFAULT_ALIGNMENT))
+    alignment = fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"general.alignment {alignment!r} is not a power of two")
     start = -(-cur.pos // alignment) * alignment
     tensors = []
     for name, qtype, shape, rel in entries:
