@@ -32,7 +32,7 @@ def _run(*args: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def small_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny float32 Llama directory with a 320-token tokenizer: loading a GGUF file costs what
     its tokenizer's arrays cost (transformers reads them with gguf-py, several times per load)."""
     tokenizer = make_tokenizer()
@@ -43,13 +43,13 @@ def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_gguf(small_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import AutoTokenizer
 
     from optc.export.gguf_format import write_gguf
 
     path = tmp_path_factory.mktemp("gguf") / "tiny.gguf"
-    write_gguf(AutoModelForCausalLM.from_pretrained(tiny_checkpoint).eval(), AutoTokenizer.from_pretrained(tiny_checkpoint),
+    write_gguf(AutoModelForCausalLM.from_pretrained(small_checkpoint).eval(), AutoTokenizer.from_pretrained(small_checkpoint),
                path, "f16")
     return path
 
@@ -79,28 +79,28 @@ def test_gguf_source_defaults_to_bfloat16(tiny_gguf: Path, tmp_path: Path) -> No
     assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
-def test_dtype_flag_chooses(tiny_gguf: Path, tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_dtype_flag_chooses(tiny_gguf: Path, small_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "f32"
     _run("quantize", "--model", str(tiny_gguf), "--output", str(out), "--format", "compressed-tensors",
          "--dtype", "float32", *RUN)
     assert _header(out / "model.safetensors")["model.embed_tokens.weight"]["dtype"] == "F32"
     # A float32 Hugging Face source stays float32 by default (the pinned recipe bytes)...
     out = tmp_path / "same"
-    _run("quantize", "--model", str(tiny_checkpoint), "--output", str(out), "--format", "compressed-tensors", *RUN)
+    _run("quantize", "--model", str(small_checkpoint), "--output", str(out), "--format", "compressed-tensors", *RUN)
     assert _header(out / "model.safetensors")["model.embed_tokens.weight"]["dtype"] == "F32"
     # ... and a dense export casts every float tensor, fake-quantized weights included.
     out = tmp_path / "dense16"
-    _run("quantize", "--model", str(tiny_checkpoint), "--output", str(out), "--format", "dense", "--dtype", "float16", *RUN)
+    _run("quantize", "--model", str(small_checkpoint), "--output", str(out), "--format", "dense", "--dtype", "float16", *RUN)
     header = _header(out / "model.safetensors")
     assert {v["dtype"] for v in header.values()} == {"F16"}
     assert json.loads((out / "config.json").read_text())["dtype"] == "float16"
     assert AutoModelForCausalLM.from_pretrained(out).dtype == torch.float16
 
 
-def test_bfloat16_source_keeps_its_dtype(tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_bfloat16_source_keeps_its_dtype(small_checkpoint: Path, tmp_path: Path) -> None:
     src = tmp_path / "bf16"
-    AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.bfloat16).save_pretrained(src)
-    for f in tiny_checkpoint.iterdir():
+    AutoModelForCausalLM.from_pretrained(small_checkpoint, dtype=torch.bfloat16).save_pretrained(src)
+    for f in small_checkpoint.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens", "chat_template")):
             (src / f.name).write_bytes(f.read_bytes())
     out = tmp_path / "out"
@@ -108,8 +108,8 @@ def test_bfloat16_source_keeps_its_dtype(tiny_checkpoint: Path, tmp_path: Path) 
     assert _header(out / "model.safetensors")["model.embed_tokens.weight"]["dtype"] == "BF16"
 
 
-def test_bad_dtype_is_one_line(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    result = CliRunner().invoke(app, ["quantize", "--model", str(tiny_checkpoint), "--output", str(tmp_path / "x"),
+def test_bad_dtype_is_one_line(small_checkpoint: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["quantize", "--model", str(small_checkpoint), "--output", str(tmp_path / "x"),
                                       "--dtype", "int8", *RUN])
     assert result.exit_code == 1
     assert "export.dtype" in result.output
@@ -123,18 +123,18 @@ def _recipe(tmp_path: Path, fmt: str) -> str:
     return str(path)
 
 
-def test_8bit_embedding_in_gguf_and_refused_elsewhere(tiny_checkpoint: Path, tmp_path: Path) -> None:
+def test_8bit_embedding_in_gguf_and_refused_elsewhere(small_checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "gguf"
-    _run("run", _recipe(tmp_path, "gguf-q4_0"), "--model", str(tiny_checkpoint), "--output", str(out), *RUN)
+    _run("run", _recipe(tmp_path, "gguf-q4_0"), "--model", str(small_checkpoint), "--output", str(out), *RUN)
     (file,) = out.glob("*.gguf")
     types = {t.name: t.type_name for t in read_gguf_index(file).tensors}
     assert types["token_embd.weight"] == "Q8_0"
     assert types["blk.0.attn_q.weight"] == "Q4_0"
     reloaded = AutoModelForCausalLM.from_pretrained(out, gguf_file=file.name)  # transformers reads Q8_0 too
-    want = AutoModelForCausalLM.from_pretrained(tiny_checkpoint).model.embed_tokens.weight.detach()
+    want = AutoModelForCausalLM.from_pretrained(small_checkpoint).model.embed_tokens.weight.detach()
     got = reloaded.model.embed_tokens.weight.detach().float()
     assert float((got - want).abs().max()) <= float(want.abs().max()) / 127 + 1e-6  # one Q8_0 step
-    result = CliRunner().invoke(app, ["run", _recipe(tmp_path, "compressed-tensors"), "--model", str(tiny_checkpoint),
+    result = CliRunner().invoke(app, ["run", _recipe(tmp_path, "compressed-tensors"), "--model", str(small_checkpoint),
                                       "--output", str(tmp_path / "ct"), *RUN])
     assert result.exit_code == 1
     assert "embedding_bits 8 is refused" in result.output and "GGUF stores it as Q8_0" in result.output
