@@ -666,7 +666,7 @@ def gguf_file(path: Path) -> Path | None:
 
 def describe_gguf(path: Path) -> dict:
     """Architecture, block types, parameters and sparsity of a GGUF file."""
-    from gguf import GGMLQuantizationType, dequantize
+    from gguf import dequantize
 
     path = gguf_file(path) or Path(path)
     try:
@@ -678,15 +678,14 @@ def describe_gguf(path: Path) -> dict:
     params = zeros = linear_params = tensor_bytes = 0
     block_types: set[str] = set()
     for t in index.tensors:
-        qtype = GGMLQuantizationType(t.qtype)
-        name = qtype.name
+        name = t.type_name
         types[name] = types.get(name, 0) + 1
         params += int(t.n_elements)
         tensor_bytes += int(t.n_bytes)
         if len(t.shape) > 1 and t.name.startswith("blk."):
             block_types.add(name)
             try:
-                zeros += int((dequantize(index.data(t), qtype) == 0).sum())
+                zeros += int((dequantize(index.data(t), t.qtype) == 0).sum())
             except (NotImplementedError, ValueError) as exc:
                 raise OptcError(f"cannot read tensor {t.name} of GGUF file {path}: {exc}") from None
             linear_params += int(t.n_elements)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import mmap
 import struct
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -71,11 +72,16 @@ class GGUFIndex:
         row-major order, block types as ``uint8`` rows of whole blocks), so gguf's ``dequantize``
         takes it."""
         rows = tuple(reversed(t.shape))
-        mm = np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.n_bytes,))
+        mm = self._file[t.offset:t.offset + t.n_bytes]
         plain = _PLAIN.get(t.qtype)
         if plain is not None:
             return mm.view(np.dtype(plain).newbyteorder(self.byteorder)).reshape(rows)
         return mm.reshape(*rows[:-1], -1)
+
+    @cached_property
+    def _file(self) -> np.memmap:
+        """The whole file, mapped once for every tensor's view."""
+        return np.memmap(self.path, dtype=np.uint8, mode="r")
 
     def string(self, key: str) -> str | None:
         value = self.fields.get(key)
@@ -95,14 +101,15 @@ class _Cursor:
     def __init__(self, buf, order: str):
         self.buf, self.order, self.pos = buf, order, 0
 
-    def take(self, fmt: str):
-        fmt = self.order + fmt
+    def take(self, code: str):
+        """One scalar of ``struct`` type ``code``."""
+        fmt = self.order + code
         size = struct.calcsize(fmt)
         if self.pos + size > len(self.buf):
             raise ValueError(f"truncated header at byte {self.pos}")
-        out = struct.unpack_from(fmt, self.buf, self.pos)
+        (out,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
-        return out[0] if len(out) == 1 else out
+        return out
 
     def string(self) -> str:
         n = self.take("Q")
