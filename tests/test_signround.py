@@ -172,6 +172,29 @@ def test_rtn_start_and_float_inputs_run():
         assert logit_error(model, ref, ids) < logit_error(rtn, ref, ids), extra
 
 
+def test_compiled_training_is_one_graph_for_every_layer_and_matches_eager():
+    """``compile: on`` runs the training forward and backward through torch.compile with the
+    layer as an argument: one graph serves both layers (no recompilation, no graph break), and
+    in float32 its steps are the eager ones (same losses). ``auto`` compiles only long bfloat16
+    runs, so this short float32 one stays eager."""
+    from torch._dynamo.utils import counters
+
+    ids = tiny_tokens(8, 32)
+    base = tiny_model("llama")
+    losses = {}
+    for mode in ("auto", "on"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = copy.deepcopy(base)
+        _, stats = _quantize(model, ids, iters=10, autocast="off", compile=mode)
+        losses[mode] = [layer["signround_loss"] for layer in stats["layers"]]
+        graphs = counters["stats"]["unique_graphs"]
+        assert graphs == (1 if mode == "on" else 0) and not counters["graph_break"], (mode, dict(counters))
+    assert len(losses["on"]) == 2
+    for (first, best), (first_c, best_c) in zip(losses["auto"], losses["on"]):
+        assert first_c == first and best_c == pytest.approx(best, rel=1e-3)
+
+
 def test_presets_and_schedule():
     cfg = SignRoundStage.model_validate({"type": "signround", "scheme": {"bits": 4}})
     assert cfg.schedule() == (200, 1 / 200)
