@@ -251,3 +251,40 @@ def test_collect_takes_the_first_batches_holding_the_samples(samples, batches) -
 
     run_sequential(model, ids, solve, targets=[".*"], ignore=[], batch_size=2)
     assert len(seen) == batches and all(x.shape[0] == 2 for x in seen)
+
+
+@pytest.mark.parametrize("samples", [None, 3])
+def test_collect_on_a_stream_advances_it_as_advance_other(samples) -> None:
+    """``collect(stream=...)`` feeds the accumulators the Linears' inputs on another stream
+    (its first batches holding ``samples``) and leaves in the stream what advance_other would:
+    one forward for both."""
+    model = tiny_model("llama")
+    ids = tiny_tokens(n=6, seqlen=8)
+    found: dict[str, object] = {}
+
+    def solve(step):
+        if step.index != 1:
+            return {}
+        names = list(step.linears)
+        stream = [b.hidden * 1.5 for b in step.batches]  # another model's activations, say
+        other = [s.clone() for s in stream]
+        forwards = step.forwards
+        got = step.collect(names, lambda n, m: _Keep([]), samples=samples, stream=stream)
+        found["forwards"] = step.forwards - forwards
+        step.advance_other(other)
+        found["advanced"] = all(torch.equal(s, o) for s, o in zip(stream, other))
+        own = [b.hidden for b in step.batches]
+        for b in step.batches:
+            b.hidden = b.hidden * 1.5
+        ref = step.collect(names, lambda n, m: _Keep([]), samples=samples)
+        for b, h in zip(step.batches, own):
+            b.hidden = h
+        found["groups"] = len({id(a) for a in got.values()}), len({id(a) for a in ref.values()})
+        found["inputs"] = [(len(got[n].store), len(ref[n].store)) for n in names]
+        found["equal"] = all(torch.equal(x, y) for n in names for x, y in zip(got[n].store, ref[n].store))
+        return {}
+
+    run_sequential(model, ids, solve, targets=[".*"], ignore=[], batch_size=2)
+    assert found["forwards"] == 1 and found["advanced"] and found["equal"]
+    assert found["groups"] == (4, 4)
+    assert all(n == r == (3 if samples is None else 2) for n, r in found["inputs"]), found["inputs"]

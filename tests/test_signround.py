@@ -166,7 +166,7 @@ def test_rtn_start_and_float_inputs_run():
     rtn = copy.deepcopy(base)
     _quantize(rtn, ids, type="rtn")
     for extra in ({"start": "rtn", "observer": "minmax", "refit_scales": False}, {"start": "rtn"}, {"inputs": "float", "clip": True},
-                  {"hessian_samples": 2}, {"loss": "normalized"}):
+                  {"hessian_samples": 2}, {"hessian_inputs": "quantized"}, {"loss": "normalized"}):
         model = copy.deepcopy(base)
         _quantize(model, ids, iters=20, **extra)
         assert logit_error(model, ref, ids) < logit_error(rtn, ref, ids), extra

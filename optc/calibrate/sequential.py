@@ -169,12 +169,15 @@ class LayerStep:
 
     def collect(
         self, names: list[str], make: Callable[[str, nn.Module], Accumulator], samples: int | None = None,
+        stream: list[torch.Tensor] | None = None,
     ) -> dict[str, Accumulator]:
         """Run the layer on every batch, feeding each named Linear's input to its accumulator.
 
         Linears that receive the very same input tensor (q/k/v after one norm, gate/up) share
         one accumulator, so each distinct input is reduced once. ``samples``: only the first
-        batches, as many as hold that many samples (per process).
+        batches, as many as hold that many samples (per process). ``stream``: statistics of
+        another stream's activations (one per batch, e.g. the float model's), each then replaced
+        by this layer's output on it as :meth:`advance_other` does, in the same forward.
         """
         batches = self.batches
         if samples is not None:
@@ -185,12 +188,16 @@ class LayerStep:
         seen: list[tuple[torch.Tensor, str]] = []  # inputs of this batch, kept alive
         # The first batch runs the whole layer and records the order in which the hooked
         # Linears are called; later batches stop right before the last of those calls: the
-        # layer's output is not needed here, and the work after its last hooked input (in a
-        # Llama layer, down_proj and the residual add) is a quarter of its matmuls.
+        # layer's output is not needed here (unless it advances a stream), and the work after
+        # its last hooked input (in a Llama layer, down_proj and the residual add) is a quarter
+        # of its matmuls.
         order: list[str] = []
         stop: tuple[str, int] | None = None  # (last hooked Linear, its number of calls)
+        feeding = [True]  # False for a stream's batches past ``samples``
 
         def feed(name: str, x: torch.Tensor) -> None:
+            if not feeding[0]:
+                return
             if name not in accs and name not in alias:
                 # Identity (not address) comparison: the list keeps each input alive for the
                 # whole batch, so a freed tensor's memory cannot be mistaken for a shared input.
@@ -202,21 +209,31 @@ class LayerStep:
             seen.append((x, name))
             if name in accs:
                 accs[name].add(x)
+            if stream is not None:
+                return
             if stop is None:
                 order.append(name)
             elif name == stop[0] and sum(n == name for _, n in seen) == stop[1]:
                 raise StopForward
 
         self.forwards += 1
-        with torch.inference_mode(), input_hooks({n: self.linears[n] for n in names}, feed):
-            for i, b in enumerate(batches):
-                try:
-                    _call_layer(self.layer, b, self.autocast)
-                except StopForward:
-                    pass
-                if i == 0 and order:
-                    stop = (order[-1], order.count(order[-1]))
-                seen.clear()
+        # A stream stays a normal tensor (no_grad, not inference mode), as advance_other keeps it.
+        with torch.inference_mode() if stream is None else torch.no_grad(), \
+                input_hooks({n: self.linears[n] for n in names}, feed):
+            if stream is None:
+                for i, b in enumerate(batches):
+                    try:
+                        _call_layer(self.layer, b, self.autocast)
+                    except StopForward:
+                        pass
+                    if i == 0 and order:
+                        stop = (order[-1], order.count(order[-1]))
+                    seen.clear()
+            else:
+                for i, (h, b) in enumerate(zip(stream, self.batches)):
+                    feeding[0] = i < len(batches)
+                    stream[i] = self._output_into(h, b)
+                    seen.clear()
             distributed.reduce_all(accs)  # torchrun: statistics of every rank's samples
         return {**accs, **{n: accs[a] for n, a in alias.items()}}
 

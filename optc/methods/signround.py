@@ -78,6 +78,10 @@ class SignRoundStage(WeightQuantConfig):
         "layers)")
     seed: int = 0
     dampening: float = Field(0.01, gt=0, description="GPTQ start: fraction of mean diag(H) added to H")
+    hessian_inputs: Literal["float", "quantized"] = Field(
+        "float", description="the activations the GPTQ start's and the scale refit's Hessians are taken from: the "
+        "float model's, in the forward that computes the float targets, or the quantized model's (a forward more "
+        "per layer)")
     hessian_samples: int | None = Field(
         None, gt=0, description="calibration sequences whose inputs form the Hessians of the GPTQ start and the "
         "scale refit (default: all)")
@@ -289,18 +293,26 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         check_trainable(step, names)
         # The float layer's outputs: the targets, and the next layer's float inputs.
         inputs = [h.clone() for h in float_hidden] if cfg.inputs == "float" else None
-        step.advance_other(float_hidden)
+        need_h = cfg.start == "gptq" or cfg.refit_scales or cfg.observer == "mse"
+        hessians: dict = {}
+
+        def make_h(_n: str, m: torch.nn.Module) -> HessianAccumulator:
+            # The start's statistics in the training's dtype too: float32 products of down_proj's
+            # 1536-wide inputs cost as much as the collecting forward itself.
+            return HessianAccumulator(weight_2d(m).shape[1], matmul_dtype=dtype or ws.calibration.autocast_dtype(),
+                                      fold=step.fold)
+
+        if need_h and cfg.hessian_inputs == "float":
+            hessians = step.collect(names, make_h, samples=cfg.hessian_samples, stream=float_hidden)
+        else:
+            step.advance_other(float_hidden)
         targets = list(float_hidden)
         # The module's own float32 weight where it is one (no copy): nothing writes into it before
         # record_quantized, after this Linear's last use.
         weights = {n: weight_2d(step.linears[n]).detach().float() for n in names}
 
-        need_h = cfg.start == "gptq" or cfg.refit_scales or cfg.observer == "mse"
-        # The start's statistics in the training's dtype too: float32 products of down_proj's
-        # 1536-wide inputs cost as much as the collecting forward itself.
-        hessians = step.collect(names, lambda _n, m: HessianAccumulator(
-            weight_2d(m).shape[1], matmul_dtype=dtype or ws.calibration.autocast_dtype(), fold=step.fold),
-            samples=cfg.hessian_samples) if need_h else {}
+        if need_h and cfg.hessian_inputs == "quantized":
+            hessians = step.collect(names, make_h, samples=cfg.hessian_samples)
         H = {n: hessians[n].H for n in names} if need_h else {}
         states: dict[str, sr.Rounding] = {}
         if cfg.start == "gptq":
