@@ -17,7 +17,7 @@ from optc.errors import OptcError
 from optc.export.ct_pack import read_pack_quantized
 from optc.export.reading import load_dequantized
 from optc.methods import METHODS, Workspace
-from optc.methods.signround import SignRoundStage
+from optc.methods.signround import SignRoundStage, check_steps
 from optc.testing import tiny_model, tiny_tokens
 
 SCHEMES = [QuantScheme(bits=3, symmetric=True, group_size=32), QuantScheme(bits=2, symmetric=False, group_size=24),
@@ -293,3 +293,9 @@ def test_picked_samples_are_batched_with_their_own_layer_inputs():
     parts = list(_step_batches(pick, bs, None, targets, [(b.args, b.kwargs) for b in bs]))
     assert [p[4] for p in parts] == [1 / 3, 2 / 3]
     assert [p[0].shape[0] for p in parts] == [1, 2] and torch.equal(parts[0][1][0][0], cos[0][1:])
+
+
+@pytest.mark.parametrize("iters, steps", [(5, {5}), (10, {10}), (20, {10, 20}), (32, {11, 22, 32}),
+                                          (200, set(range(20, 201, 20))), (800, set(range(80, 801, 80)))])
+def test_best_iterate_checks_are_spread_to_the_last_step(iters: int, steps: set[int]) -> None:
+    assert check_steps(iters) == steps
