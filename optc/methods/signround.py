@@ -314,13 +314,12 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
             hessians = step.collect(names, make_h, samples=cfg.hessian_samples, stream=float_hidden)
         else:
             step.advance_other(float_hidden)
+            if need_h:
+                hessians = step.collect(names, make_h, samples=cfg.hessian_samples)
         targets = list(float_hidden)
         # The module's own float32 weight where it is one (no copy): nothing writes into it before
         # record_quantized, after this Linear's last use.
         weights = {n: weight_2d(step.linears[n]).detach().float() for n in names}
-
-        if need_h and cfg.hessian_inputs == "quantized":
-            hessians = step.collect(names, make_h, samples=cfg.hessian_samples)
         H = {n: hessians[n].H for n in names} if need_h else {}
         states: dict[str, sr.Rounding] = {}
         if cfg.start == "gptq":
