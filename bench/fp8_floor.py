@@ -13,34 +13,23 @@ Each condition fake-quantizes one kind of tensor as the runtime does and nothing
 from __future__ import annotations
 
 import argparse
-import math
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from optc.compress.actquant import InputQuant, attach_input_quant
+from optc.compress.actquant import InputQuant, attach_input_quant, scale_from_threshold
 from optc.compress.kvquant import KVCacheScheme, _wrap_cache, observe_kv, quantize_kv
 from optc.compress.schemes import ActivationScheme
+from optc.evaluate.perplexity import perplexity
 from optc.model.anatomy import find_decoder_layers, select_linears
 from optc.model.load import builtin_model_dir
 
-E4M3_MAX = 448.0
 
-
-def perplexity(model, ids: torch.Tensor, seqlen: int, windows: int) -> float:
-    nll, count = 0.0, 0
-    with torch.inference_mode():
-        for w in range(windows):
-            x = ids[w * seqlen : (w + 1) * seqlen][None]
-            loss = model(input_ids=x, labels=x).loss
-            nll += float(loss) * (x.shape[1] - 1)
-            count += x.shape[1] - 1
-    return math.exp(nll / count)
-
-
-def cache_scales(model, attns: list, ids: torch.Tensor, seqlen: int, windows: int) -> list[tuple[float, float]]:
-    """Per attention layer, (max |keys|, max |values|) over the calibration windows."""
+def cache_scales(model, attns: list, ids: torch.Tensor, seqlen: int, windows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per attention layer, the FP8 scales of the keys and the values from their max |x| over the
+    calibration windows."""
     amax = [[0.0, 0.0] for _ in attns]
 
     def observer(i: int):
@@ -49,17 +38,12 @@ def cache_scales(model, attns: list, ids: torch.Tensor, seqlen: int, windows: in
             amax[i][1] = max(amax[i][1], float(v.abs().max()))
         return fn
 
-    hooks = [observe_kv(a, observer(i)) for i, a in enumerate(attns)]
-    for h in hooks:
-        h.__enter__()
-    try:
-        with torch.inference_mode():
-            for w in range(windows):
-                model(input_ids=ids[w * seqlen : (w + 1) * seqlen][None])
-    finally:
-        for h in hooks:
-            h.__exit__(None, None, None)
-    return [(k / E4M3_MAX, v / E4M3_MAX) for k, v in amax]
+    with ExitStack() as hooks, torch.inference_mode():
+        for i, a in enumerate(attns):
+            hooks.enter_context(observe_kv(a, observer(i)))
+        for w in range(windows):
+            model(input_ids=ids[w * seqlen : (w + 1) * seqlen][None])
+    return [(scale_from_threshold(k, float_grid=True), scale_from_threshold(v, float_grid=True)) for k, v in amax]
 
 
 def main() -> None:
@@ -70,24 +54,26 @@ def main() -> None:
     ap.add_argument("--calibration-windows", type=int, default=16, help="validation windows of 512 tokens")
     ap.add_argument("--conditions", nargs="+", default=["float", "inputs", "keys", "values", "kv"])
     args = ap.parse_args()
-    test = (args.data / "wikitext-2-raw-test.txt").read_text(encoding="utf-8")
-    valid = (args.data / "wikitext-2-valid.txt").read_text(encoding="utf-8")
+    tok = AutoTokenizer.from_pretrained(builtin_model_dir())
+
+    def tokens(name: str) -> torch.Tensor:
+        text = (args.data / name).read_text(encoding="utf-8")
+        return tok(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+
+    ids, cal = tokens("wikitext-2-raw-test.txt"), tokens("wikitext-2-valid.txt")
     float_ppl = None
     for cond in args.conditions:
+        # A fresh model per condition: no quantizer of an earlier one left attached.
         model = AutoModelForCausalLM.from_pretrained(builtin_model_dir(), dtype=torch.float32).eval()
-        tok = AutoTokenizer.from_pretrained(builtin_model_dir())
-        ids = tok(test, add_special_tokens=False, return_tensors="pt").input_ids[0]
         if cond == "inputs":
             iq = InputQuant(ActivationScheme(type="float", strategy="token", dynamic=True))
             for module in select_linears(model, [".*"], ["lm_head"]).values():
                 attach_input_quant(module, iq)
         elif cond in ("keys", "values", "kv"):
             attns = [layer.self_attn for layer in find_decoder_layers(model)[1]]
-            cal = tok(valid, add_special_tokens=False, return_tensors="pt").input_ids[0]
             scales = cache_scales(model, attns, cal, 512, args.calibration_windows)
             scheme = KVCacheScheme(type="float")
-            for attn, (ks, vs) in zip(attns, scales):
-                k_scale, v_scale = torch.tensor([ks]), torch.tensor([vs])
+            for attn, (k_scale, v_scale) in zip(attns, scales):
 
                 def transform(k, v, k_scale=k_scale, v_scale=v_scale):
                     if cond in ("keys", "kv"):
@@ -97,7 +83,7 @@ def main() -> None:
                     return k, v
 
                 _wrap_cache(attn, transform)
-        ppl = perplexity(model, ids, args.seqlen, args.windows)
+        ppl = perplexity(model, ids, args.seqlen, args.windows).perplexity
         if cond == "float":
             float_ppl = ppl
         rel = f" ({100 * (ppl / float_ppl - 1):+.2f}%)" if float_ppl and cond != "float" else ""
