@@ -130,6 +130,26 @@ def test_the_best_iterate_beats_round_to_nearest():
     assert min(losses) < 0.6 * losses[0]
 
 
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: s.label())
+def test_group_scaled_weight_gradient_and_grid(scheme):
+    """``W~ (1 + theta)`` per group: its values and theta's gradient are plain autograd's on the
+    expanded product (short last group included), and the scaled grid holds the very same codes."""
+    w = _weight()
+    p = compute_qparams(w, scheme)
+    w_hat = fake_quantize(w, p)
+    theta = (torch.randn(p.scale.shape, generator=torch.Generator().manual_seed(1)) * 0.01).requires_grad_(True)
+    g = torch.randn_like(w_hat)
+    out = sr.group_scaled(w_hat, theta, scheme.group_size)
+    (out * g).sum().backward()
+    ours, theta.grad = theta.grad.clone(), None
+    ref = sr.as_weight(group_view(w_hat, scheme.group_size) * (1 + theta)[..., None], w.shape[1])
+    (ref * g).sum().backward()
+    assert torch.allclose(out, ref) and torch.allclose(ours, theta.grad, atol=1e-6)
+    scaled = sr.scaled_params(p, theta)
+    assert torch.equal(quantize(out.detach(), scaled), quantize(w_hat, p))
+    assert torch.allclose(dequantize(quantize(w_hat, p), scaled), out.detach(), atol=1e-7)
+
+
 def _quantize(model, ids, **extra) -> tuple[Workspace, dict]:
     ws = Workspace(model, None)
     ws._ids = ids
@@ -156,6 +176,35 @@ def test_signround_beats_gptq_and_its_checkpoint_reloads(arch, tmp_path):
         assert best <= first and layer["signround_seconds"] > 0
     if arch == "llama":
         assert_pack_quantized_reloads(model, ws.qparams, ids, tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_end_to_end_scales_keep_the_codes_and_lower_the_error(arch, tmp_path):
+    """The end-to-end phase trains only the group scales: the codes are the layer-wise search's,
+    every weight stays on its (new) grid, the scales moved, and the logits came closer to the
+    float model's; the checkpoint holds the tuned scales."""
+    ids = tiny_tokens(16, 64)
+    base = tiny_model(arch)
+    with torch.no_grad():
+        ref = base(ids).logits
+    runs = {}
+    for steps in (0, 24):
+        model = copy.deepcopy(base)
+        ws, stats = _quantize(model, ids, iters=10, e2e_steps=steps, e2e_lr=5e-3)
+        runs[steps] = (model, ws, stats)
+    (plain, ws0, stats0), (tuned, ws1, stats1) = runs[0], runs[24]
+    assert "e2e_steps" not in stats0 and stats1["e2e_steps"] == 24 and stats1["e2e_mean_scale_change"] > 0
+    assert logit_error(tuned, ref, ids) < logit_error(plain, ref, ids)
+    from optc.model.anatomy import weight_2d
+
+    for name, p in ws1.qparams.items():
+        w = weight_2d(tuned.get_submodule(name)).detach()
+        assert torch.equal(fake_quantize(w, p), w), name
+        assert torch.equal(quantize(w, p), quantize(weight_2d(plain.get_submodule(name)).detach(), ws0.qparams[name]))
+        assert not torch.equal(p.scale, ws0.qparams[name].scale)
+    assert not tuned.training
+    if arch == "llama":
+        assert_pack_quantized_reloads(tuned, ws1.qparams, ids, tmp_path)
 
 
 def test_rtn_start_and_float_inputs_run():
@@ -208,6 +257,7 @@ def test_presets_and_schedule():
     ({"iters": 0}, "iters"), ({"lr": 0.0}, "lr"), ({"lr": -1e-3}, "lr"), ({"batch": 0}, "batch"),
     ({"scheme": {"bits": 1}}, "bits"), ({"scheme": {"bits": 9}}, "bits"), ({"iter": 100}, "iter"),
     ({"scheme": {"type": "float", "bits": 4, "group_size": 16}}, "signround"), ({"hessian_samples": 0}, "hessian_samples"),
+    ({"e2e_steps": -1}, "e2e_steps"), ({"e2e_lr": 0.0}, "e2e_lr"), ({"e2e_batch": 0}, "e2e_batch"),
 ])
 def test_bad_config_is_one_line_naming_the_field(bad, field):
     with pytest.raises(ValidationError) as e:

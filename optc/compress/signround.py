@@ -245,3 +245,38 @@ def requires_grad_(r: Rounding, clip: bool = True) -> Rounding:
     for t in (r.alpha, r.beta):
         t.requires_grad_(clip)
     return r
+
+
+# End-to-end tuning of the group scales (EfficientQAT: Chen et al. 2024, "EfficientQAT: Efficient
+# Quantization-Aware Training for Large Language Models", arXiv:2407.11062, Sec. 3.3, E2E-QP):
+# after the layer-wise search the integer codes stay fixed and only each group's step size
+# trains, on the whole model's loss. Written as ``s (1 + theta)``: ``W~ = (q - zp) s (1 + theta)``,
+# so the tuned weight is the layer-wise one scaled per group and ``theta = 0`` is the start.
+
+
+class _GroupScaled(torch.autograd.Function):
+    """``W~ (1 + theta)`` per group; the backward reads ``W~`` itself (no copy of it is saved)."""
+
+    @staticmethod
+    def forward(ctx, w_hat: torch.Tensor, theta: torch.Tensor, group_size: int) -> torch.Tensor:
+        ctx.save_for_backward(w_hat)
+        ctx.group_size = group_size
+        w3 = group_view(w_hat, group_size)
+        return as_weight(w3 * (1 + theta)[..., None].to(w3.dtype), w_hat.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (w_hat,) = ctx.saved_tensors
+        g3 = group_view(grad.to(w_hat.dtype), ctx.group_size)
+        return None, (g3 * group_view(w_hat, ctx.group_size)).sum(-1), None
+
+
+def group_scaled(w_hat: torch.Tensor, theta: torch.Tensor, group_size: int | None) -> torch.Tensor:
+    """The quantized weight ``w_hat`` ([N, K]) with each group's scale multiplied by ``1 + theta``
+    ([N, G]), differentiable in ``theta`` (``dL/dtheta = sum over the group of dL/dW~ * W~``)."""
+    return _GroupScaled.apply(w_hat, theta, group_size or w_hat.shape[1])
+
+
+def scaled_params(p: QuantParams, theta: torch.Tensor) -> QuantParams:
+    """``p`` with every group's scale multiplied by ``1 + theta`` (codes and zero points kept)."""
+    return QuantParams(p.scheme, p.scale * (1 + theta.detach().to(p.scale.dtype)), p.zero, p.g_idx)

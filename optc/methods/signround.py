@@ -43,6 +43,15 @@ PASS_SAMPLES = 2
 # faster (8 x 512 tokens), so it pays from about 350 steps.
 COMPILE_MIN_STEPS = 500
 
+# Tokens per chunk of the end-to-end loss: the vocabulary-wide logits of a whole sequence (and
+# their softmax and gradient) would be the largest tensors of the run.
+E2E_CHUNK = 128
+
+# Samples of one end-to-end forward and backward (every layer's activations are recomputed in the
+# backward, so a pass holds one layer's and the layer inputs). On the default model passes of two
+# made a step a fifth faster and raised the peak by 220 MB; the peak is what this phase adds.
+E2E_PASS = 1
+
 
 class SignRoundStage(WeightQuantConfig):
     """Optimized rounding (SignRound): per decoder layer, a rounding offset per weight and clip
@@ -76,6 +85,12 @@ class SignRoundStage(WeightQuantConfig):
         "auto", description="torch.compile the layer's training forward and backward (one compilation serves every "
         f"layer); auto: when training in bfloat16 and the run takes at least {COMPILE_MIN_STEPS} steps (iterations x "
         "layers)")
+    e2e_steps: int = Field(
+        0, ge=0, description="after the last layer, steps of end-to-end tuning of the group scales (codes fixed; "
+        "distillation from the float model's next-token distribution); 0: off")
+    e2e_lr: float = Field(1e-3, gt=0, description="end-to-end tuning's initial Adam learning rate (a relative "
+                          "change of each scale), decaying linearly to 0")
+    e2e_batch: int = Field(4, gt=0, description="calibration sequences per end-to-end step")
     seed: int = 0
     dampening: float = Field(0.01, gt=0, description="GPTQ start: fraction of mean diag(H) added to H")
     hessian_inputs: Literal["float", "quantized"] = Field(
@@ -251,6 +266,143 @@ def _step_batches(pick, batches, inputs, targets, args):
         yield (x.clone() if x.is_inference() else x), a, kw, y, x.shape[0] / total
 
 
+def _final_norm(decoder):
+    """The normalization after the last decoder layer: the decoder's one direct child that is a
+    norm (Llama's ``norm``, GPT-2's ``ln_f``), or None."""
+    found = [m for _, m in decoder.named_children() if type(m).__name__.endswith(("Norm", "LayerNorm"))]
+    return found[0] if len(found) == 1 else None
+
+
+def _group_scales(theta, group_size: int | None, transposed: bool):
+    """A parametrization of a quantized Linear's weight: each group's scale times ``1 + theta``."""
+    import torch
+
+    from optc.compress import signround as sr
+
+    class GroupScales(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.theta = theta
+
+        def forward(self, w):
+            if transposed:  # a Conv1D stores [K, N]
+                return sr.group_scaled(w.t(), self.theta, group_size).t()
+            return sr.group_scaled(w, self.theta, group_size)
+
+    return GroupScales()
+
+
+def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out: list[torch.Tensor],
+                dtype: torch.dtype | None) -> dict:
+    """End-to-end tuning of the group scales (EfficientQAT's E2E-QP, Chen et al. 2024, Sec. 3.3)
+    after the layer-wise search: the codes fixed, each group's scale trained by Adam on the KL
+    divergence from the float model's next-token distribution to the quantized model's, over
+    the calibration sequences. ``float_out`` holds the float model's last decoder layer outputs
+    (the layer-wise search's float stream), so the teacher costs the head alone.
+
+    Layer-wise, each layer matches its own float output; here the scales also answer for the
+    errors the other layers leave."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.utils import parametrize
+    from transformers.pytorch_utils import Conv1D
+
+    from optc.compress import signround as sr
+    from optc.compress.quant import fake_quantize
+    from optc.memory import trim
+    from optc.model.anatomy import set_weight_2d, weight_2d
+
+    model = ws.model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    norm = _final_norm(decoder) if decoder is not None else None
+    ids = ws.calibration_ids().to(ws.device)
+    teacher = torch.cat(float_out) if float_out else None
+    float_out.clear()
+    if None in (decoder, head, norm) or teacher is None or teacher.shape[0] != ids.shape[0]:
+        log.warning("signround: no end-to-end tuning (the model's head after its decoder layers, or the float "
+                    "model's outputs, are not at hand)")
+        return {}
+    with torch.no_grad():
+        x = ids[:1, :16]
+        tail = head(decoder(input_ids=x, use_cache=False).last_hidden_state)
+        if not torch.allclose(tail.float(), model(input_ids=x, use_cache=False).logits.float(), atol=1e-3, rtol=1e-3):
+            log.warning("signround: no end-to-end tuning (the logits are not the head of the last hidden state)")
+            return {}
+    t0 = time.perf_counter()
+    thetas, modules = {}, {}
+    for n in names:
+        p = ws.qparams[n]
+        thetas[n] = torch.nn.Parameter(torch.zeros(p.scale.shape, dtype=torch.float32, device=p.scale.device))
+        modules[n] = model.get_submodule(n)
+        parametrize.register_parametrization(
+            modules[n], "weight", _group_scales(thetas[n], p.scheme.group_size, isinstance(modules[n], Conv1D)))
+    opt = torch.optim.Adam(list(thetas.values()), lr=cfg.e2e_lr)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    samples, steps, batch = ids.shape[0], cfg.e2e_steps, min(cfg.e2e_batch, ids.shape[0])
+    amp = torch.autocast(ids.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+    checkpointing = getattr(model, "supports_gradient_checkpointing", False)
+    # transformers 5 renamed it (the old name warns); the new one checkpoints non-reentrantly by default.
+    prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    if checkpointing:
+        # The layers' activations for the backward are recomputed from each layer's input: a forward
+        # more, and a whole model's activations (and its weights' low-precision copies) not held.
+        if prefix == "activation":
+            model.activation_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    losses: list[float] = []
+    try:
+        for t in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = cfg.e2e_lr * (1 - t / steps)
+            total = 0.0
+            pick = torch.randperm(samples, generator=gen)[:batch]
+            for c0 in range(0, batch, E2E_PASS):
+                j = pick[c0 : c0 + E2E_PASS]
+                with torch.enable_grad():
+                    with amp:
+                        h = decoder(input_ids=ids[j], use_cache=False).last_hidden_state
+                    hd = h.detach().requires_grad_(True)
+                    for c in range(0, h.shape[1], E2E_CHUNK):
+                        with amp:
+                            s_logits = head(hd[:, c : c + E2E_CHUNK])
+                            with torch.no_grad():
+                                t_logits = head(norm(teacher[j, c : c + E2E_CHUNK].to(h.dtype)))
+                        kl = F.kl_div(s_logits.float().log_softmax(-1), t_logits.float().log_softmax(-1),
+                                      log_target=True, reduction="sum") / (h.shape[1] * batch)
+                        kl.backward()
+                        total += kl.item()
+                    h.backward(hd.grad)
+                    # A pass's few-MB temporaries (weights, their gradients) stay in the heap's
+                    # fragments otherwise: 300 MB more resident after each pass on the default model.
+                    trim()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(total)
+            log.debug("signround end-to-end step %d: KL %.5g", t, total)
+    finally:
+        if checkpointing:
+            getattr(model, f"{prefix}_checkpointing_disable")()
+        model.eval()
+        with torch.no_grad():
+            for n, m in modules.items():
+                parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+                p = ws.qparams[n] = sr.scaled_params(ws.qparams[n], thetas[n])
+                # The codes times the new scales, bit for bit as every reader computes them.
+                set_weight_2d(m, fake_quantize(weight_2d(m).detach(), p))
+                m.weight.requires_grad_(False)
+    seconds = time.perf_counter() - t0
+    moved = float(torch.cat([th.detach().abs().flatten() for th in thetas.values()]).mean()) if thetas else 0.0
+    log.info("signround: end-to-end scale tuning, %d steps in %.1f s: KL %.4g -> %.4g (per token, training "
+             "batches), mean |scale change| %.2e", steps, seconds, losses[0] if losses else 0, losses[-1] if losses else 0,
+             moved)
+    return {"e2e_steps": steps, "e2e_seconds": round(seconds, 2),
+            "e2e_kl": [round(losses[0], 6), round(losses[-1], 6)] if losses else None,
+            "e2e_mean_scale_change": round(moved, 6)}
+
+
 def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
     import torch
     from transformers.pytorch_utils import Conv1D
@@ -286,6 +438,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
     # and bfloat16's rounding of the targets is far below the quantization error they measure.
     float_hidden: list[torch.Tensor] = []
     expected = [-1]  # the layer whose float inputs float_hidden holds
+    exact = [True]  # float_hidden is the float model's own stream (every layer solved from the first)
 
     def solve(step: LayerStep) -> dict:
         t0 = time.perf_counter()
@@ -293,6 +446,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         if step.index != expected[0]:
             # The first layer, where both models agree; or one after a layer nothing was quantized
             # in (solvers only see layers with targets): its quantized inputs stand in for the float ones.
+            exact[0] = exact[0] and step.index == 0 and not float_hidden
             if float_hidden:
                 log.warning("signround: %s follows a skipped layer; its targets are the float layer on the "
                             "quantized model's inputs", step.name)
@@ -494,7 +648,17 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
     # The layer forwards (targets, GPTQ's statistics, the next layer's inputs) in the training's
     # dtype too: in float32 they were a third of a layer's time on an AMX CPU.
     layers = run_calibration(ws, cfg, solve, "signround", records=per_module, autocast=dtype)
-    return {"modules": per_module, "layers": layers}
+    out = {"modules": per_module, "layers": layers}
+    n_layers = len(find_decoder_layers(ws.model)[1])
+    if cfg.e2e_steps and per_module:
+        if ws.store is not None and ws.store.streaming:
+            log.warning("signround: no end-to-end tuning when streaming (the model is never whole in memory)")
+        elif expected[0] != n_layers or not exact[0]:
+            log.warning("signround: no end-to-end tuning (the float model's outputs after the last layer are not "
+                        "at hand: a resumed or partial run)")
+        else:
+            out.update(tune_scales(ws, cfg, list(per_module), float_hidden, dtype))
+    return out
 
 
 METHOD = register(Method(
