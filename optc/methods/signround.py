@@ -376,7 +376,7 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
                         total += kl.item()
                     h.backward(hd.grad)
                     # A pass's few-MB temporaries (weights, their gradients) stay in the heap's
-                    # fragments otherwise: 300 MB more resident after each pass on the default model.
+                    # fragments otherwise: 300 MB more stayed resident between passes on the default model.
                     trim()
             opt.step()
             opt.zero_grad(set_to_none=True)
