@@ -394,12 +394,11 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
                 set_weight_2d(m, fake_quantize(weight_2d(m).detach(), p))
                 m.weight.requires_grad_(False)
     seconds = time.perf_counter() - t0
-    moved = float(torch.cat([th.detach().abs().flatten() for th in thetas.values()]).mean()) if thetas else 0.0
+    moved = float(torch.cat([th.detach().abs().flatten() for th in thetas.values()]).mean())
     log.info("signround: end-to-end scale tuning, %d steps in %.1f s: KL %.4g -> %.4g (per token, training "
-             "batches), mean |scale change| %.2e", steps, seconds, losses[0] if losses else 0, losses[-1] if losses else 0,
-             moved)
+             "batches), mean |scale change| %.2e", steps, seconds, losses[0], losses[-1], moved)
     return {"e2e_steps": steps, "e2e_seconds": round(seconds, 2),
-            "e2e_kl": [round(losses[0], 6), round(losses[-1], 6)] if losses else None,
+            "e2e_kl": [round(losses[0], 6), round(losses[-1], 6)],
             "e2e_mean_scale_change": round(moved, 6)}
 
 
