@@ -178,11 +178,12 @@ def test_signround_beats_gptq_and_its_checkpoint_reloads(arch, tmp_path):
         assert_pack_quantized_reloads(model, ws.qparams, ids, tmp_path)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_end_to_end_scales_keep_the_codes_and_lower_the_error(arch, tmp_path):
+@pytest.mark.parametrize("arch, autocast", [("llama", "auto"), ("gpt2", "auto"), ("llama", "off")])
+def test_end_to_end_scales_keep_the_codes_and_lower_the_error(arch, autocast, tmp_path):
     """The end-to-end phase trains only the group scales: the codes are the layer-wise search's,
     every weight stays on its (new) grid, the scales moved, and the logits came closer to the
-    float model's; the checkpoint holds the tuned scales."""
+    float model's; the checkpoint holds the tuned scales. ``autocast: off`` is the float32 path
+    of hosts without AMX (``auto`` is bfloat16 on AMX hosts)."""
     ids = tiny_tokens(16, 64)
     base = tiny_model(arch)
     with torch.no_grad():
@@ -190,7 +191,7 @@ def test_end_to_end_scales_keep_the_codes_and_lower_the_error(arch, tmp_path):
     runs = {}
     for steps in (0, 24):
         model = copy.deepcopy(base)
-        ws, stats = _quantize(model, ids, iters=10, e2e_steps=steps, e2e_lr=5e-3)
+        ws, stats = _quantize(model, ids, iters=10, e2e_steps=steps, e2e_lr=5e-3, autocast=autocast)
         runs[steps] = (model, ws, stats)
     (plain, ws0, stats0), (tuned, ws1, stats1) = runs[0], runs[24]
     assert "e2e_steps" not in stats0 and stats1["e2e_steps"] == 24 and stats1["e2e_mean_scale_change"] > 0
