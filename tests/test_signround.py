@@ -18,6 +18,7 @@ from optc.export.ct_pack import read_pack_quantized
 from optc.export.reading import load_dequantized
 from optc.methods import METHODS, Workspace
 from optc.methods.signround import SignRoundStage, check_steps
+from optc.model.anatomy import weight_2d
 from optc.testing import tiny_model, tiny_tokens
 
 SCHEMES = [QuantScheme(bits=3, symmetric=True, group_size=32), QuantScheme(bits=2, symmetric=False, group_size=24),
@@ -196,8 +197,6 @@ def test_end_to_end_scales_keep_the_codes_and_lower_the_error(arch, autocast, tm
     (plain, ws0, stats0), (tuned, ws1, stats1) = runs[0], runs[24]
     assert "e2e_steps" not in stats0 and stats1["e2e_steps"] == 24 and stats1["e2e_mean_scale_change"] > 0
     assert logit_error(tuned, ref, ids) < logit_error(plain, ref, ids)
-    from optc.model.anatomy import weight_2d
-
     for name, p in ws1.qparams.items():
         w = weight_2d(tuned.get_submodule(name)).detach()
         assert torch.equal(fake_quantize(w, p), w), name

@@ -437,7 +437,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
     # and bfloat16's rounding of the targets is far below the quantization error they measure.
     float_hidden: list[torch.Tensor] = []
     expected = [-1]  # the layer whose float inputs float_hidden holds
-    exact = [True]  # float_hidden is the float model's own stream (every layer solved from the first)
+    solved = [0]  # layers solved by this run: all of them, and float_hidden is the float model's own stream
 
     def solve(step: LayerStep) -> dict:
         t0 = time.perf_counter()
@@ -445,12 +445,12 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
         if step.index != expected[0]:
             # The first layer, where both models agree; or one after a layer nothing was quantized
             # in (solvers only see layers with targets): its quantized inputs stand in for the float ones.
-            exact[0] = exact[0] and step.index == 0 and not float_hidden
             if float_hidden:
                 log.warning("signround: %s follows a skipped layer; its targets are the float layer on the "
                             "quantized model's inputs", step.name)
             float_hidden[:] = [b.hidden.to(torch.bfloat16, copy=True) for b in step.batches]
         expected[0] = step.index + 1
+        solved[0] += 1
         check_trainable(step, names)
         # The float layer's outputs: the targets, and the next layer's float inputs.
         inputs = [h.clone() for h in float_hidden] if cfg.inputs == "float" else None
@@ -648,11 +648,10 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
     # dtype too: in float32 they were a third of a layer's time on an AMX CPU.
     layers = run_calibration(ws, cfg, solve, "signround", records=per_module, autocast=dtype)
     out = {"modules": per_module, "layers": layers}
-    n_layers = len(find_decoder_layers(ws.model)[1])
     if cfg.e2e_steps and per_module:
         if ws.store is not None and ws.store.streaming:
             log.warning("signround: no end-to-end tuning when streaming (the model is never whole in memory)")
-        elif expected[0] != n_layers or not exact[0]:
+        elif solved[0] != len(find_decoder_layers(ws.model)[1]):
             log.warning("signround: no end-to-end tuning (the float model's outputs after the last layer are not "
                         "at hand: a resumed or partial run)")
         else:
