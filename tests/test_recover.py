@@ -12,11 +12,12 @@ from typer.testing import CliRunner
 
 from optc.model.anatomy import select_linears, weight_2d
 from optc.cli.main import app
-from optc.compress.lora import kd_loss, kd_loss_topk, lora_delta, topk_logits
+from optc.compress.lora import kd_loss, kd_loss_topk, kl_to, lora_delta, topk_logits
 from optc.compress.masks import nm_violations
 from optc.compress.quant import fake_quantize, quantize
 from optc.recipe import parse_recipe
 from optc.methods import Workspace
+from optc.methods.common import activation_checkpointing
 from optc.methods.magnitude import MagnitudeStage, run_magnitude
 from optc.methods.recover import RecoverStage, run_recover
 from optc.methods.rtn import RTNStage, run_rtn
@@ -102,6 +103,55 @@ def test_topk_distillation_matches_full_with_whole_vocabulary():
     full = kd_loss(student, teacher, 2.0)
     assert torch.allclose(kd_loss_topk(student, values.float(), index, 2.0), full, atol=1e-2)
     assert kd_loss(teacher, teacher) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_kl_to_is_the_kl_divergence_and_trains_the_student_only():
+    g = torch.Generator().manual_seed(1)
+    s_logits = torch.randn(3, 7, 13, generator=g).requires_grad_(True)
+    t_logits = torch.randn(3, 7, 13, generator=g).requires_grad_(True)
+    s_logp, t_logp = s_logits.log_softmax(-1), t_logits.log_softmax(-1)
+    plain = torch.nn.functional.kl_div(s_logp, t_logp, log_target=True, reduction="sum")
+    total = kl_to(s_logp, t_logp, "sum")
+    assert torch.allclose(total, plain, rtol=1e-5)
+    assert torch.allclose(kl_to(s_logp, t_logp), plain / 21, rtol=1e-5)
+    total.backward()
+    assert t_logits.grad is None and s_logits.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="reduction"):
+        kl_to(s_logp, t_logp, "none")
+
+
+def test_activation_checkpointing_is_on_within_and_keeps_the_gradients(caplog):
+    model = tiny_model("llama").train()
+    ids = tiny_tokens(2, 16)
+
+    def grads() -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids).loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    plain = grads()
+    with activation_checkpointing(model) as on:
+        assert on and model.is_gradient_checkpointing
+        recomputed = grads()
+    assert not model.is_gradient_checkpointing
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, recomputed))
+    with activation_checkpointing(model, enabled=False) as on:
+        assert not on and not model.is_gradient_checkpointing
+    with activation_checkpointing(torch.nn.Linear(2, 2)) as on:
+        assert not on
+    assert "does not support activation checkpointing" in caplog.text
+
+
+def test_recovery_with_activation_checkpointing_trains_alike():
+    runs = []
+    for checkpointing in (False, True):
+        ws, teacher = _pruned_tiny()
+        run, tensors, *_ = _train(ws, teacher, _cfg(loss="kd", steps=3, gradient_checkpointing=checkpointing))
+        runs.append((run, tensors))
+        assert not ws.model.is_gradient_checkpointing
+    (plain, a), (recomputed, b) = runs
+    assert recomputed["loss_end"] == pytest.approx(plain["loss_end"], rel=1e-4)
+    assert all(torch.allclose(a[n][1], b[n][1], atol=1e-5) for n in a)
 
 
 class _InterruptAfter:

@@ -82,13 +82,18 @@ def cross_entropy(logits: torch.Tensor, ids: torch.Tensor, logp: torch.Tensor | 
     return F.nll_loss(logp.flatten(0, 1), ids[:, 1:].flatten())
 
 
-def _kl_to(s_logp: torch.Tensor, t_logp: torch.Tensor) -> torch.Tensor:
+def kl_to(s_logp: torch.Tensor, t_logp: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """``KL(p_t || p_s)`` per position from log-probabilities ([..., V]), its ``mean`` or ``sum``
+    over the positions; differentiable in ``s_logp`` only."""
     # KL(p_t || p_s) = sum p_t log p_t - sum p_t log p_s; the first term is a constant, so
     # only the second is differentiated (autograd then keeps p_t, not the difference).
     with torch.no_grad():
         p_t = t_logp.exp()
         neg_entropy = (p_t * t_logp).sum(-1)
-    return (neg_entropy - (p_t * s_logp).sum(-1)).mean()
+    kl = neg_entropy - (p_t * s_logp).sum(-1)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be mean or sum, not {reduction!r}")
+    return kl.mean() if reduction == "mean" else kl.sum()
 
 
 def kd_loss(
@@ -101,7 +106,7 @@ def kd_loss(
     s_logp = next_token_logp(student, t) if s_logp is None else s_logp
     with torch.no_grad():
         t_logp = next_token_logp(teacher, t)
-    return _kl_to(s_logp, t_logp) * t * t
+    return kl_to(s_logp, t_logp) * t * t
 
 
 def topk_logits(teacher: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,4 +129,4 @@ def kd_loss_topk(
     s_logp = next_token_logp(student, t) if s_logp is None else s_logp
     with torch.no_grad():
         t_logp = F.log_softmax(values[:, :-1].float() / t, dim=-1)
-    return _kl_to(s_logp.gather(-1, index[:, :-1].long()), t_logp) * t * t
+    return kl_to(s_logp.gather(-1, index[:, :-1].long()), t_logp) * t * t

@@ -7,7 +7,9 @@ and the recipe schema stay torch-free.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -17,6 +19,8 @@ from optc.compress.masks import nm_violations
 from optc.methods.base import LinearsConfig
 from optc.methods.workspace import Workspace
 from optc.model.anatomy import find_decoder_layers, set_weight_2d, weight_2d
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -35,6 +39,28 @@ def training_dtype(choice: str, device: str) -> torch.dtype | None:
     if choice == "bfloat16" or (choice == "auto" and (torch.device(device).type != "cpu" or _has_amx())):
         return torch.bfloat16
     return None
+
+
+@contextlib.contextmanager
+def activation_checkpointing(model: torch.nn.Module, enabled: bool = True) -> Iterator[bool]:
+    """Within: the model's decoder layers recompute their activations in the backward from each
+    layer's input (a forward more, a whole model's activations not held), where the model
+    supports it. Yields whether it is on."""
+    on = enabled and bool(getattr(model, "supports_gradient_checkpointing", False))
+    if enabled and not on:
+        log.warning("%s does not support activation checkpointing; training without it", type(model).__name__)
+    # transformers 5 renamed the switch (the old name warns); the new one is non-reentrant by default.
+    prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    if on:
+        if prefix == "activation":
+            model.activation_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        yield on
+    finally:
+        if on:
+            getattr(model, f"{prefix}_checkpointing_disable")()
 
 
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

@@ -46,6 +46,7 @@ from optc.compress.lora import (
 from optc.compress.masks import nm_violations
 from optc.compress.quant import QuantParams, fake_quantize
 from optc.errors import OptcError
+from optc.methods.common import activation_checkpointing
 from optc.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
@@ -416,8 +417,6 @@ def train_adapters(
         if state_dir is None:
             raise OptcError("teacher_cache: topk needs a state directory to keep the logits in")
         cache = _TeacherCache(Path(state_dir) / f"teacher-top{cfg.teacher_topk}", cfg.teacher_topk, fingerprint)
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     t0, start_step = time.perf_counter(), step
     stopped = "steps"
@@ -433,7 +432,8 @@ def train_adapters(
         })
 
     try:
-        with progress.task("recover", total=limit) as advance:
+        with (activation_checkpointing(model, cfg.gradient_checkpointing),
+              progress.task("recover", total=limit) as advance):
             for _ in range(step):
                 advance()  # a resumed bar starts where the saved run stopped
             while limit is None or step < limit:
@@ -459,8 +459,6 @@ def train_adapters(
                 recent = losses[-10:]
                 advance(f"loss {sum(recent) / len(recent):.3f}")
     finally:
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_disable()
         model.eval()
         for p in params:
             p.requires_grad_(False)

@@ -303,13 +303,14 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
     Layer-wise, each layer matches its own float output; here the scales also answer for the
     errors the other layers leave."""
     import torch
-    import torch.nn.functional as F
     from torch.nn.utils import parametrize
     from transformers.pytorch_utils import Conv1D
 
     from optc.compress import signround as sr
+    from optc.compress.lora import kl_to
     from optc.compress.quant import fake_quantize
     from optc.memory import trim
+    from optc.methods.common import activation_checkpointing
     from optc.model.anatomy import set_weight_2d, weight_2d
 
     model = ws.model
@@ -341,50 +342,41 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
     gen = torch.Generator().manual_seed(cfg.seed)
     samples, steps, batch = ids.shape[0], cfg.e2e_steps, min(cfg.e2e_batch, ids.shape[0])
     amp = torch.autocast(ids.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-    checkpointing = getattr(model, "supports_gradient_checkpointing", False)
-    # transformers 5 renamed it (the old name warns); the new one checkpoints non-reentrantly by default.
-    prefix = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
-    if checkpointing:
-        # The layers' activations for the backward are recomputed from each layer's input: a forward
-        # more, and a whole model's activations (and its weights' low-precision copies) not held.
-        if prefix == "activation":
-            model.activation_checkpointing_enable()
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     losses: list[float] = []
     try:
-        for t in range(steps):
-            for group in opt.param_groups:
-                group["lr"] = cfg.e2e_lr * (1 - t / steps)
-            total = 0.0
-            pick = torch.randperm(samples, generator=gen)[:batch]
-            for c0 in range(0, batch, E2E_PASS):
-                j = pick[c0 : c0 + E2E_PASS]
-                with torch.enable_grad():
-                    with amp:
-                        h = decoder(input_ids=ids[j], use_cache=False).last_hidden_state
-                    hd = h.detach().requires_grad_(True)
-                    for c in range(0, h.shape[1], E2E_CHUNK):
+        # The layers' activations for the backward are recomputed from each layer's input: a forward
+        # more, and a whole model's activations (and its weights' low-precision copies) not held.
+        with activation_checkpointing(model):
+            for t in range(steps):
+                for group in opt.param_groups:
+                    group["lr"] = cfg.e2e_lr * (1 - t / steps)
+                total = 0.0
+                pick = torch.randperm(samples, generator=gen)[:batch]
+                for c0 in range(0, batch, E2E_PASS):
+                    j = pick[c0 : c0 + E2E_PASS]
+                    with torch.enable_grad():
                         with amp:
-                            s_logits = head(hd[:, c : c + E2E_CHUNK])
-                            with torch.no_grad():
-                                t_logits = head(norm(teacher[j, c : c + E2E_CHUNK].to(h.dtype)))
-                        kl = F.kl_div(s_logits.float().log_softmax(-1), t_logits.float().log_softmax(-1),
-                                      log_target=True, reduction="sum") / (h.shape[1] * batch)
-                        kl.backward()
-                        total += kl.item()
-                    h.backward(hd.grad)
-                    # A pass's few-MB temporaries (weights, their gradients) stay in the heap's
-                    # fragments otherwise: 300 MB more stayed resident between passes on the default model.
-                    trim()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(total)
-            log.debug("signround end-to-end step %d: KL %.5g", t, total)
+                            h = decoder(input_ids=ids[j], use_cache=False).last_hidden_state
+                        hd = h.detach().requires_grad_(True)
+                        for c in range(0, h.shape[1], E2E_CHUNK):
+                            with amp:
+                                s_logits = head(hd[:, c : c + E2E_CHUNK])
+                                with torch.no_grad():
+                                    t_logits = head(norm(teacher[j, c : c + E2E_CHUNK].to(h.dtype)))
+                            kl = kl_to(s_logits.float().log_softmax(-1), t_logits.float().log_softmax(-1),
+                                       "sum") / (h.shape[1] * batch)
+                            kl.backward()
+                            total += kl.item()
+                        h.backward(hd.grad)
+                        # A pass's few-MB temporaries (weights, their gradients) stay in the heap's
+                        # fragments otherwise: 300 MB more stayed resident between passes on the default model.
+                        trim()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(total)
+                log.debug("signround end-to-end step %d: KL %.5g", t, total)
     finally:
-        if checkpointing:
-            getattr(model, f"{prefix}_checkpointing_disable")()
         model.eval()
         with torch.no_grad():
             for n, m in modules.items():
