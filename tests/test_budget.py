@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from optc.cli.main import app
 from optc.compress.allocate import allocate, output_error
 from optc.export.load import load_checkpoint
-from optc.methods.base import Budget
+from optc.methods.base import CANDIDATE_SETS, Budget
 
 
 def _brute(err: torch.Tensor, size: torch.Tensor, budget: int) -> float:
@@ -80,10 +80,20 @@ def test_output_error_is_the_output_energy_of_the_weight_error() -> None:
     ({"bits_per_weight": 3, "candidates": []}, "candidates is empty"),
     ({"bits_per_weight": 3, "candidates": [None, None]}, "repeat a scheme"),
     ({"bits_per_weight": 3, "typo": 1}, "typo"),
+    ({"bits_per_weight": 3, "candidates": "asym"}, "(?s)candidates.*neither a list of schemes nor a candidate set "
+                                                    "\\(symmetric, asymmetric\\)"),
 ])
 def test_bad_budgets_are_refused_by_the_config(kw: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         Budget(**kw)
+
+
+def test_named_candidate_sets() -> None:
+    assert Budget(bits_per_weight=3.25).candidates == CANDIDATE_SETS["symmetric"]()
+    asym = Budget(bits_per_weight=3.25, candidates="asymmetric").candidates
+    assert asym == CANDIDATE_SETS["asymmetric"]()
+    assert any(c is not None and not c.symmetric for c in asym)
+    assert len({c.label() for c in asym if c is not None}) == len(asym)
 
 
 def _recipe(tmp: Path, budget: dict, fmt: str = "compressed-tensors", **stage) -> str:
@@ -137,6 +147,46 @@ def test_size_budget_and_cli_flag(tiny_checkpoint: Path, tmp_path: Path) -> None
     budget = report["stages"][0]["stats"]["budget"]
     assert budget["bytes"] <= 12.2 * 2**20 and budget["target_bytes"] == int(12.2 * 2**20)
     assert report["metrics"]["size"]["weight_bytes"] == pytest.approx(budget["bytes"], rel=1e-4)
+
+
+def _independent_reader():
+    """bench/hf_ppl.py: decodes each module with compressed-tensors and its own config group."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("hf_ppl", Path(__file__).parents[1] / "bench" / "hf_ppl.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_asymmetric_candidates_from_the_cli(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """--candidates asymmetric: a mix of asymmetric and symmetric groups, at or under the target,
+    which compressed-tensors' own decompressor, module by module, reads as optc wrote it."""
+    out = tmp_path / "out"
+    args = ["quantize", "--recipe", "w4a16-gptq", "--model", str(tiny_checkpoint), "--samples", "4", "--seqlen", "32",
+            "--no-eval", "-q", "--output", str(out), "--target-bpw", "4", "--candidates", "asymmetric"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    budget = json.loads((out / "report.json").read_text())["stages"][0]["stats"]["budget"]
+    assert budget["bits_per_weight"] <= 4 and "int3-asym-g64" in budget["candidates"]
+    assert any("asym" in s for s in budget["schemes"]), budget["schemes"]
+    ours = load_checkpoint(str(out))
+    theirs = _independent_reader()._per_module(str(out), torch.float32)
+    for name, p in ours.qparams.items():
+        w = ours.model.get_submodule(name).weight.float()
+        assert torch.allclose(theirs.get_submodule(name).weight, w, atol=1e-6), name
+    assert any(not p.scheme.symmetric for p in ours.qparams.values())
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--candidates", "asymmetric"], "give --target-bpw or --target-size too"),
+    (["--target-bpw", "4", "--candidates", "asym"], "expected symmetric or asymmetric"),
+])
+def test_bad_candidates_flags(tiny_checkpoint: Path, tmp_path: Path, flags: list[str], message: str) -> None:
+    args = ["quantize", "--recipe", "w4a16-gptq", "--model", str(tiny_checkpoint), "--no-eval", "-q",
+            "--output", str(tmp_path / "out"), *flags]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code != 0 and message in result.output, result.output
 
 
 @pytest.mark.parametrize("budget, extra, message", [

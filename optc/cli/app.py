@@ -24,6 +24,7 @@ import optc
 from optc.errors import Interrupted, OptcError
 from optc.evaluate.protocol import EvalProtocol, LatencyOptions
 from optc.export.formats import format_help
+from optc.methods.base import CANDIDATE_SETS
 
 app = typer.Typer(
     name="optc",
@@ -88,6 +89,7 @@ FormatOpt = Annotated[Optional[str], typer.Option("--format", help=f"Export form
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON.", metavar=FLAG)]
 GateOpt = Annotated[Optional[list[str]], typer.Option("--gate", help="CI gate, e.g. 'ppl_increase<=5%' (repeatable); a failed gate exits with code 3 after the report is written.")]
 TargetBpwOpt = Annotated[Optional[float], typer.Option("--target-bpw", help="Budget: average stored bits per decoder-Linear weight (scales included), e.g. 3.25; each Linear of the first quantize stage gets the candidate scheme that meets it with the least estimated error.")]
+CandidatesOpt = Annotated[Optional[str], typer.Option("--candidates", help=f"Budget: the named set of candidate schemes, {' or '.join(CANDIDATE_SETS)} (default: symmetric; asymmetric mixes store zero points, are better at 3 bits, and transformers loads them only decoded module by module).", autocompletion=completing(lambda: list(CANDIDATE_SETS)))]
 TargetSizeOpt = Annotated[Optional[str], typer.Option("--target-size", help="Budget: size of the weight files, e.g. 80MiB or 2GB; chooses each Linear's scheme like --target-bpw.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; print only errors and failed gates.", metavar=FLAG)]
 ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from the layers it saved beside --output (same checkpoint as an uninterrupted run).", metavar=FLAG)]

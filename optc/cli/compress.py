@@ -10,11 +10,12 @@ import typer
 from optc.cli.app import (
     DatasetOpt, DeviceOpt, DtypeOpt, EvalDatasetOpt, ForceOverwriteOpt, FormatOpt, GateOpt, JsonOpt, ModelOpt,
     NoEvalOpt, NoSaveOpt, OutputOpt, OverwriteOpt, QuietOpt, ResumeOpt, SamplesOpt, SeedOpt, SeqlenOpt, SplitOpt,
-    StreamingOpt, TargetBpwOpt, TargetSizeOpt, TextColumnOpt, TrustOpt, WindowsOpt,
+    StreamingOpt, TargetBpwOpt, TargetSizeOpt, TextColumnOpt, TrustOpt, WindowsOpt, CandidatesOpt,
     FLAG, app, common_overrides, complete_recipe, completing, handle_errors, run_command,
 )
 from optc.errors import OptcError
 from optc.methods import METHODS, methods_of_kind
+from optc.methods.base import CANDIDATE_SETS
 
 
 @app.command()
@@ -28,11 +29,11 @@ def run(
     fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
     device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
-    target_bpw: TargetBpwOpt = None, target_size: TargetSizeOpt = None,
+    target_bpw: TargetBpwOpt = None, target_size: TargetSizeOpt = None, candidates: CandidatesOpt = None,
 ) -> None:
     """Run a whole multi-stage recipe: compress, evaluate, export, report."""
     overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming, text_column=text_column, split=split, dtype=dtype)
-    overrides.update(_budget_overrides(recipe, target_bpw, target_size))
+    overrides.update(_budget_overrides(recipe, target_bpw, target_size, candidates))
     run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume, no_save=no_save, force_overwrite=force_overwrite)
 
 
@@ -72,14 +73,30 @@ def _first_stage(recipe: str, kind: str, flags: dict[str, Any], fields: tuple[st
     raise OptcError(f"cannot set {', '.join(given)}: the recipe has no such entry (no {what} in {recipe}; its stages: {have})")
 
 
-def _budget_overrides(recipe: str, target_bpw: float | None, target_size: str | None) -> dict[str, Any]:
-    """--target-bpw / --target-size as the budget of the recipe's first quantize stage."""
+def _budget_overrides(recipe: str, target_bpw: float | None, target_size: str | None,
+                      candidates: str | None = None) -> dict[str, Any]:
+    """--target-bpw / --target-size / --candidates as the budget of the recipe's first quantize stage."""
     if target_bpw is not None and target_size is not None:
         raise OptcError("--target-bpw and --target-size exclude each other: a budget has one target")
-    i = _first_stage(recipe, "quantize", {"--target-bpw": target_bpw, "--target-size": target_size})
+    if candidates is not None and candidates not in CANDIDATE_SETS:
+        raise OptcError(f"--candidates {candidates!r}: expected {' or '.join(CANDIDATE_SETS)}")
+    flags = {"--target-bpw": target_bpw, "--target-size": target_size, "--candidates": candidates}
+    i = _first_stage(recipe, "quantize", flags)
     if i is None:
         return {}
-    return {f"stages.{i}.budget.bits_per_weight": target_bpw, f"stages.{i}.budget.size": target_size}
+    if candidates is not None and target_bpw is None and target_size is None and not _has_budget(recipe, i):
+        raise OptcError("--candidates chooses a budget's schemes: give --target-bpw or --target-size too")
+    out = {f"stages.{i}.budget.bits_per_weight": target_bpw, f"stages.{i}.budget.size": target_size}
+    if candidates is not None:
+        out[f"stages.{i}.budget.candidates"] = candidates
+    return out
+
+
+def _has_budget(recipe: str, i: int) -> bool:
+    from optc.recipe import read_recipe_data, resolve_recipe
+
+    stage = read_recipe_data(resolve_recipe(recipe))["stages"][i]
+    return isinstance(stage.get("budget"), dict)
 
 
 @app.command()
@@ -96,7 +113,7 @@ def quantize(
     fmt: FormatOpt = None, dtype: DtypeOpt = None, text_column: TextColumnOpt = None, split: SplitOpt = None,
     device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
-    target_bpw: TargetBpwOpt = None, target_size: TargetSizeOpt = None,
+    target_bpw: TargetBpwOpt = None, target_size: TargetSizeOpt = None, candidates: CandidatesOpt = None,
 ) -> None:
     """Quantize weights with a recipe (default: 4-bit round-to-nearest); --method, --bits and
     --group-size override its first quantize stage (e.g. gptq after a sparsegpt stage), and
@@ -108,7 +125,7 @@ def quantize(
     i = _first_stage(recipe, "quantize", {"--method": method, "--bits": bits, "--group-size": group_size})
     if i is not None:
         overrides.update({f"stages.{i}.type": method, f"stages.{i}.scheme.bits": bits, f"stages.{i}.scheme.group_size": group_size})
-    overrides.update(_budget_overrides(recipe, target_bpw, target_size))
+    overrides.update(_budget_overrides(recipe, target_bpw, target_size, candidates))
     run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume, no_save=no_save, force_overwrite=force_overwrite)
 
 
