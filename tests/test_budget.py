@@ -81,7 +81,7 @@ def test_output_error_is_the_output_energy_of_the_weight_error() -> None:
     ({"bits_per_weight": 3, "candidates": [None, None]}, "repeat a scheme"),
     ({"bits_per_weight": 3, "typo": 1}, "typo"),
     ({"bits_per_weight": 3, "candidates": "asym"}, "(?s)candidates.*neither a list of schemes nor a candidate set "
-                                                    "\\(symmetric, asymmetric\\)"),
+                                                    "\\(symmetric, asymmetric, gguf\\)"),
 ])
 def test_bad_budgets_are_refused_by_the_config(kw: dict, message: str) -> None:
     with pytest.raises(ValidationError, match=message):
@@ -178,9 +178,40 @@ def test_asymmetric_candidates_from_the_cli(tiny_checkpoint: Path, tmp_path: Pat
     assert any(not p.scheme.symmetric for p in ours.qparams.values())
 
 
+def test_gguf_budget_types_each_tensor_by_its_scheme(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """--format gguf with the gguf candidates: every decoder Linear in the block type of the scheme
+    the allocation gave it, at or under the target as the file stores it; the k-quants, whose
+    256-weight super-blocks divide none of the tiny model's rows, never chosen."""
+    import gguf
+
+    out = tmp_path / "out"
+    args = ["quantize", "--recipe", "w4a16-gptq", "--model", str(tiny_checkpoint), "--samples", "4", "--seqlen", "32",
+            "--no-eval", "-q", "--output", str(out), "--target-bpw", "5.2", "--candidates", "gguf", "--format", "gguf"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    budget = report["stages"][0]["stats"]["budget"]
+    assert budget["bits_per_weight"] <= 5.2 and len(budget["schemes"]) > 1, budget
+    assert not any("_k" in s for s in budget["schemes"])
+    modules = report["stages"][0]["stats"]["modules"]
+    expect = {"int4-sym-g32": "Q4_0", "int4-asym-g32": "Q4_1", "int5-sym-g32": "Q5_0", "int5-asym-g32": "Q5_1",
+              "int8-sym-g32": "Q8_0"}
+    reader = gguf.GGUFReader(next(out.glob("*.gguf")))
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    stored = sum(t.n_bytes * 8 for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2)
+    weights = sum(int(t.n_elements) for t in reader.tensors if t.name.startswith("blk.") and len(t.shape) == 2)
+    assert stored / weights == pytest.approx(budget["bits_per_weight"], abs=1e-4)
+    for name, m in modules.items():
+        layer = name.split(".")[2]
+        kind = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}[name.rsplit(".", 1)[1]]
+        assert types[f"blk.{layer}.{kind}.weight"] == expect[m["scheme"]], name
+
+
 @pytest.mark.parametrize("flags, message", [
+    (["--target-bpw", "4", "--format", "gguf"], "GGUF stores int3-sym-g64 in no block type"),
     (["--candidates", "asymmetric"], "give --target-bpw or --target-size too"),
-    (["--target-bpw", "4", "--candidates", "asym"], "expected symmetric or asymmetric"),
+    (["--target-bpw", "4", "--candidates", "asym"], "expected symmetric or asymmetric or gguf"),
 ])
 def test_bad_candidates_flags(tiny_checkpoint: Path, tmp_path: Path, flags: list[str], message: str) -> None:
     args = ["quantize", "--recipe", "w4a16-gptq", "--model", str(tiny_checkpoint), "--no-eval", "-q",

@@ -92,10 +92,16 @@ def _ggml_type(qtype: str):
     return GGMLQuantizationType[qtype.upper()]
 
 
+# The pseudo type of a file whose decoder Linears each take the GGUF type that holds their own
+# grid (a budget's mix of schemes), and llama.cpp's file type for a file of no one type.
+PER_SCHEME = "scheme"
+FILE_TYPE_GUESSED = 1024  # LLAMA_FTYPE_GUESSED
+
+
 def check_qtype(qtype: str) -> str:
-    """A block type of ``GGUF_TYPES`` or a mix of ``MIXES``, lower-cased."""
+    """A block type of ``GGUF_TYPES``, a mix of ``MIXES`` or ``PER_SCHEME``, lower-cased."""
     qtype = qtype.lower()
-    if qtype not in GGUF_TYPES and qtype not in MIXES:
+    if qtype not in GGUF_TYPES and qtype not in MIXES and qtype != PER_SCHEME:
         raise OptcError(f"unknown GGUF type {qtype!r} (expected one of {', '.join([*GGUF_TYPES, *MIXES])})")
     return qtype
 
@@ -450,7 +456,22 @@ def tensor_types(src: ExportSource, qtype: str, embedding_bits: int = 16) -> dic
     if missing is not None:
         raise OptcError(f"GGUF export has no llama.cpp name for {missing}")
     cols = {k: src.spec(k)[1][1] for k in keys}
-    if qtype in MIXES:
+    if qtype == PER_SCHEME:
+        linears = set(src.linears()) - {src.head}
+        out = {}
+        for k in keys:
+            mod = k.rpartition(".")[0]
+            if mod in linears:
+                p = src.qparams.get(mod)
+                t = scheme_type(None if p is None else p.scheme)
+                if t is None:
+                    raise OptcError(f"GGUF stores {mod}'s {p.scheme.label()} in no block type ({SCHEME_TYPES_HELP})")
+                out[k] = TensorType(t)
+            elif base[k] == embd and embedding_bits == 8:
+                out[k] = TensorType("q8_0")
+            else:
+                out[k] = TensorType("f16")
+    elif qtype in MIXES:
         config = src.config
         heads = config.num_attention_heads
         types = mix_types(qtype, [(f"{base[k]}.weight", cols[k]) for k in keys], tied=tied, n_head=heads,
@@ -543,7 +564,7 @@ def write_gguf_source(src: ExportSource, path: Path, qtype: str, *, requantize: 
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(str(getattr(config, "_name_or_path", "") or "optc model"))
     _add_hparams(writer, config)
-    writer.add_file_type(MIXES[qtype].file_type if qtype in MIXES else GGUF_TYPES[qtype].file_type)
+    writer.add_file_type(_file_type_of(qtype))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     exact = [k.rpartition(".")[0] for k, (_, how) in plan.items() if how == "exact"]
     writer.add_string("optc.version", optc.__version__)
@@ -734,11 +755,13 @@ def _detect(qtype: str, path: Path) -> bool:
     file_type = _file_type(str(found), stat.st_mtime_ns, stat.st_size)
     if file_type == _file_type_of(qtype):
         return True
-    known = {bt.file_type for bt in GGUF_TYPES.values()} | {m.file_type for m in MIXES.values()}
+    known = {bt.file_type for bt in GGUF_TYPES.values()} | {m.file_type for m in MIXES.values()} | {FILE_TYPE_GUESSED}
     return qtype == next(iter(GGUF_TYPES)) and file_type not in known
 
 
 def _file_type_of(qtype: str) -> int:
+    if qtype == PER_SCHEME:
+        return FILE_TYPE_GUESSED
     return MIXES[qtype].file_type if qtype in MIXES else GGUF_TYPES[qtype].file_type
 
 
@@ -784,6 +807,53 @@ TYPE_SCHEMES = {
 }
 
 
+def scheme_type(scheme: QuantScheme | None) -> str | None:
+    """The cheapest GGUF type that holds ``scheme``'s grid exactly (``f16`` for a float Linear),
+    or None."""
+    if scheme is None:
+        return "f16"
+
+    def holds(bits: int, symmetric: bool, group: int, fmt: str | None) -> bool:
+        if scheme.type != "int" or scheme.group_size != group or (scheme.scale_format or None) != fmt:
+            return False
+        if fmt is not None:  # a k-quant holds its own grid
+            return (scheme.bits, scheme.symmetric) == (bits, symmetric)
+        # A centred block holds symmetric grids of up to its bits, a block with a min any grid.
+        return scheme.bits <= bits and (scheme.symmetric or not symmetric)
+
+    fits = [t for t, spec in TYPE_SCHEMES.items() if holds(*spec)]
+    return min(fits, key=GGUF_STORED_BITS.__getitem__, default=None)
+
+
+SCHEME_TYPES_HELP = ("it holds int4 and int5 grids of 32-weight groups, symmetric (Q4_0, Q5_0) or not (Q4_1, "
+                     "Q5_1), int8 symmetric g32 (Q8_0) and the k-quant grids Q2_K to Q6_K")
+
+
+def _scheme_fits(scheme: QuantScheme | None, permuted: bool) -> str | None:
+    if scheme is None:
+        return None
+    if scheme_type(scheme) is None:
+        return f"GGUF stores {scheme.label()} in no block type: {SCHEME_TYPES_HELP}"
+    if permuted:
+        return "act-order (permuted) groups split GGUF's blocks"
+    return None
+
+
+def _scheme_bits_per_weight(scheme: QuantScheme | None, in_features: int) -> float | None:
+    t = scheme_type(scheme)
+    return None if scheme is None or t is None else GGUF_STORED_BITS[t]
+
+
+def _scheme_stored_bits(scheme: QuantScheme | None, out_features: int, in_features: int, float_bits: int,
+                        permuted: bool = False) -> int | None:
+    """Bits of one Linear's tensor in the type that holds its grid (float Linears: float16); None
+    when that type's blocks do not divide its rows (the k-quants' 256 weights)."""
+    t = scheme_type(scheme)
+    if t is None or in_features % BLOCK_OF[t]:
+        return None
+    return round(out_features * in_features * GGUF_STORED_BITS[t])
+
+
 def _mix_schemes(mix: str, model) -> dict[str, QuantScheme | None]:
     """Each decoder Linear of ``model`` -> the grid of its type in ``mix`` (None: stored float16)."""
     from optc.compress.schemes import QuantScheme
@@ -802,7 +872,7 @@ def _mix_schemes(mix: str, model) -> dict[str, QuantScheme | None]:
 
 def _write(qtype: str, src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None,
            requantize: bool = False, embedding_bits: int = 16, imatrix: Path | None = None) -> dict:
-    refuse_activations(src, f"gguf-{qtype}")
+    refuse_activations(src, "gguf" if qtype == PER_SCHEME else f"gguf-{qtype}")
     return write_gguf_source(src, Path(directory) / f"model-{qtype}.gguf", qtype, requantize=requantize,
                              embedding_bits=embedding_bits, imatrix=None if imatrix is None else read_imatrix(imatrix))
 
@@ -850,4 +920,20 @@ GGUF_FORMATS = tuple(
         takes_imatrix=True,
     )
     for qtype in [*GGUF_TYPES, *MIXES]
+) + (
+    Format(
+        name="gguf",
+        description="one GGUF file, each decoder Linear in the block type that holds its own grid (a budget's "
+                    "mix: Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, k-quants, F16), loaded by llama.cpp",
+        fits=_scheme_fits,
+        write=functools.partial(_write, PER_SCHEME),
+        read=None,
+        detect=functools.partial(_detect, PER_SCHEME),
+        describe=describe_gguf,
+        bits_per_weight=_scheme_bits_per_weight,
+        stored_bits=_scheme_stored_bits,
+        usage=_USAGE,
+        embedding_8bit=None,
+        takes_imatrix=True,
+    ),
 )

@@ -37,9 +37,10 @@ class Format:
     bits_per_weight: Callable[[Any, int], float | None]
     # stored_bits(scheme, out_features, in_features, float_bits, permuted): exact stored bits of one
     # Linear weight on a scheme (None: kept in float, at float_bits), its scales, zero points,
-    # act-order indices and shape included: what a size or bits-per-weight budget counts. None:
-    # the format cannot hold a budget's mix of schemes.
-    stored_bits: Callable[[Any, int, int, int, bool], int] | None = None
+    # act-order indices and shape included: what a size or bits-per-weight budget counts; it returns
+    # None where the format cannot store that Linear on that scheme (GGUF's k-quant super-blocks
+    # on rows they do not divide). None: the format cannot hold a budget's mix of schemes.
+    stored_bits: Callable[[Any, int, int, int, bool], int | None] | None = None
     one_scheme: bool = False  # one (bits, symmetric) per checkpoint (gptq, awq)
     needs_quantized: bool = False  # refuses a model with nothing quantized
     holds_activations: bool = False  # stores activation quantization (W8A8)

@@ -70,8 +70,19 @@ def _asymmetric_candidates() -> list[QuantScheme | None]:
         QuantScheme(bits=8, group_size=64)]
 
 
+def _gguf_candidates() -> list[QuantScheme | None]:
+    # The grids GGUF's block types hold (--format gguf stores each Linear in its grid's type):
+    # Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-weight groups), the k-quants Q2_K to Q6_K (rows of whole
+    # 256-weight super-blocks only; the others take the legacy types), and F16.
+    legacy = [QuantScheme(bits=b, group_size=32, symmetric=sym) for b in (4, 5) for sym in (True, False)]
+    kquants = [QuantScheme(bits=b, symmetric=sym, group_size=g, scale_format="k-quant")
+               for b, sym, g in ((2, False, 16), (3, True, 16), (4, False, 32), (5, False, 32), (6, True, 16))]
+    return [*legacy, QuantScheme(bits=8, group_size=32), *kquants, None]
+
+
 # Named candidate lists a budget may give instead of its own list.
-CANDIDATE_SETS = {"symmetric": _symmetric_candidates, "asymmetric": _asymmetric_candidates}
+CANDIDATE_SETS = {"symmetric": _symmetric_candidates, "asymmetric": _asymmetric_candidates,
+                  "gguf": _gguf_candidates}
 
 
 def nominal_bits(scheme: QuantScheme | None) -> float:
@@ -175,10 +186,12 @@ class WeightQuantConfig(LinearsConfig):
         return False
 
     def planned_schemes(self) -> list[PlannedScheme]:
-        """Every scheme the config can give a Linear: the default, then each override's."""
+        """Every scheme the config can give a Linear: the default (none with a budget, which gives
+        every Linear without an override one of its candidates), then each override's."""
         permuted = self.permuted_groups()
         candidates = [] if self.budget is None else [
             (f"budget candidate {scheme_label(c)}", c, permuted) for c in self.budget.candidates]
-        return [("scheme", self.scheme, permuted)] + [
+        default = [("scheme", self.scheme, permuted)] if self.budget is None else []
+        return default + [
             (f"override {o.pattern!r}", o.scheme, permuted) for o in self.overrides
         ] + candidates

@@ -50,7 +50,7 @@ class BudgetPlan:
     model, before any calibration)."""
 
     free: list[str]  # Linears whose scheme the allocation chooses
-    sizes: list[list[int]]  # bits of each candidate, per free Linear
+    sizes: list[list[int | None]]  # bits of each candidate, per free Linear (None: the format cannot store it so)
     spare_bits: int  # bits the target leaves for the free Linears
     fixed_bits: int  # bits of everything else the target counts
     weights: int  # decoder-Linear weights the average runs over (bits-per-weight targets)
@@ -92,6 +92,10 @@ def plan_budget(model: torch.nn.Module, cfg: WeightQuantConfig, fmt: Format, flo
         return bits_of(name, module, scheme)
 
     sizes = [[bits_of(n, chosen[n], c) for c in budget.candidates] for n in free]
+    for n, row in zip(free, sizes):
+        if all(b is None for b in row):
+            raise OptcError(f"{stage}: {fmt.name} stores {n} ({weight_2d(chosen[n]).shape[1]} input columns) on none of "
+                            f"the candidates ({', '.join(scheme_label(c) for c in budget.candidates)})")
     weights = sum(weight_2d(m).numel() for m in decoder.values())
     if budget.bits_per_weight is not None:
         target = math.floor(budget.bits_per_weight * weights)
@@ -107,8 +111,8 @@ def plan_budget(model: torch.nn.Module, cfg: WeightQuantConfig, fmt: Format, flo
 
         def show(bits: int) -> str:
             return f"{bits / 8 / 2**20:.2f} MiB"
-    low = fixed_bits + sum(min(s) for s in sizes)
-    high = fixed_bits + sum(max(s) for s in sizes)
+    low = fixed_bits + sum(min(b for b in s if b is not None) for s in sizes)
+    high = fixed_bits + sum(max(b for b in s if b is not None) for s in sizes)
     labels = ", ".join(scheme_label(c) for c in budget.candidates)
     if target < low:
         raise OptcError(f"{stage}: budget {unit} is below the cheapest candidates' {show(low)} ({labels})")
@@ -148,9 +152,11 @@ def estimate_observer(cfg: WeightQuantConfig) -> str:
     return cfg.budget.observer or getattr(cfg, "observer", "minmax")
 
 
-def candidate_errors(ws: Workspace, cfg: WeightQuantConfig, free: list[str]) -> dict[str, list[float]]:
+def candidate_errors(ws: Workspace, cfg: WeightQuantConfig, free: list[str],
+                     stored: dict[str, list[bool]] | None = None) -> dict[str, list[float]]:
     """Each free Linear's round-to-nearest output error ``tr(dW H dW^T)`` on every candidate, ``H``
-    from the float model's inputs on the budget's first calibration sequences."""
+    from the float model's inputs on the budget's first calibration sequences (``stored``: per
+    Linear, the candidates the format can store it on; the others are not evaluated: inf)."""
     assert cfg.budget is not None
     candidates = cfg.budget.candidates
     wanted = set(free)
@@ -181,9 +187,10 @@ def candidate_errors(ws: Workspace, cfg: WeightQuantConfig, free: list[str]) -> 
                 gamma = None if gamma is None else gamma[::stride]
                 scale = weight_2d(step.linears[name]).shape[0] / w.shape[0]
                 imp = torch.diagonal(H) if observer == "mse" else None
-                errors[name] = [0.0 if c is None else scale * output_error(
+                ok = stored[name] if stored is not None else [True] * len(candidates)
+                errors[name] = [math.inf if not fits else 0.0 if c is None else scale * output_error(
                     fake_quantize(w, choose_qparams(w, c, observer, importance=imp, grid=GRID)) - w, H, gamma)
-                    for c in candidates]
+                    for c, fits in zip(candidates, ok)]
         return {}
 
     ids = ws.calibration_ids()[: cfg.budget.samples]
@@ -205,9 +212,11 @@ def allocate_budget(ws: Workspace, cfg: WeightQuantConfig, plan: BudgetPlan) -> 
     assert cfg.budget is not None
     t0 = time.perf_counter()
     candidates = cfg.budget.candidates
-    errors = candidate_errors(ws, cfg, plan.free)
+    stored = {n: [b is not None for b in row] for n, row in zip(plan.free, plan.sizes)}
+    errors = candidate_errors(ws, cfg, plan.free, stored)
+    # A candidate the format cannot store a Linear on has an infinite error: the allocation never gives it.
     err = torch.tensor([errors[n] for n in plan.free], dtype=torch.float64)
-    size = torch.tensor(plan.sizes, dtype=torch.int64)
+    size = torch.tensor([[0 if b is None else b for b in row] for row in plan.sizes], dtype=torch.int64)
     pick = allocate(err, size, plan.spare_bits).tolist()
     chosen_bits = sum(plan.sizes[i][s] for i, s in enumerate(pick))
     overrides = [Override(pattern=f"^{re.escape(n)}$", scheme=candidates[s]) for n, s in zip(plan.free, pick)]
