@@ -873,7 +873,8 @@ def _mix_schemes(mix: str, model) -> dict[str, QuantScheme | None]:
 def _write(qtype: str, src: ExportSource, directory: Path, *, max_shard_bytes: int | None = None,
            requantize: bool = False, embedding_bits: int = 16, imatrix: Path | None = None) -> dict:
     refuse_activations(src, "gguf" if qtype == PER_SCHEME else f"gguf-{qtype}")
-    return write_gguf_source(src, Path(directory) / f"model-{qtype}.gguf", qtype, requantize=requantize,
+    name = "model.gguf" if qtype == PER_SCHEME else f"model-{qtype}.gguf"
+    return write_gguf_source(src, Path(directory) / name, qtype, requantize=requantize,
                              embedding_bits=embedding_bits, imatrix=None if imatrix is None else read_imatrix(imatrix))
 
 
