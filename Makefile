@@ -59,9 +59,15 @@ LLAMA_CPP ?= $(OPTC_CACHE)/llama.cpp
 LLAMA_BIN := $(LLAMA_CPP)/build/bin
 LLAMA_TOOLS := llama-quantize llama-imatrix llama-perplexity llama-bench
 
+# Extra compiler flags for the build: on a virtual machine that reports AMX but does not let ggml
+# use it, its AMX kernels stop with an illegal instruction; there set
+# LLAMA_CPP_CFLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16".
+LLAMA_CPP_CFLAGS ?=
+
 $(LLAMA_BIN)/llama-perplexity:
 	cmake -S "$$($(PYTHON) interop/fetch_llama_cpp.py $(LLAMA_CPP))" -B $(LLAMA_CPP)/build \
-		-DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF
+		-DGGML_NATIVE=ON -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+		-DCMAKE_C_FLAGS="$(LLAMA_CPP_CFLAGS)" -DCMAKE_CXX_FLAGS="$(LLAMA_CPP_CFLAGS)"
 	cmake --build $(LLAMA_CPP)/build --target $(LLAMA_TOOLS) -j$$(nproc)
 
 llama-cpp: $(LLAMA_BIN)/llama-perplexity
