@@ -439,9 +439,18 @@ def _tied(src: ExportSource) -> bool:
     return src.head is not None and bool(getattr(src.config, "tie_word_embeddings", False))
 
 
+def _type_of_grid(src: ExportSource, mod: str) -> str:
+    """The GGUF type of a decoder Linear in a ``PER_SCHEME`` file: the one that holds its grid."""
+    p = src.qparams.get(mod)
+    t = scheme_type(None if p is None else p.scheme)
+    if t is None:
+        raise OptcError(f"GGUF stores {mod}'s {p.scheme.label()} in no block type ({SCHEME_TYPES_HELP})")
+    return t
+
+
 def tensor_types(src: ExportSource, qtype: str, embedding_bits: int = 16) -> dict[str, TensorType]:
     """The GGUF type of every matrix ``src`` stores (state-dict key -> type): ``qtype`` for each
-    decoder Linear, float16 (Q8_0 with ``embedding_bits=8``) for the embeddings, when ``qtype`` is
+    decoder Linear (with ``PER_SCHEME``, the type that holds its own grid), float16 (Q8_0 with ``embedding_bits=8``) for the embeddings, when ``qtype`` is
     one block type; llama.cpp's rules for every tensor when it names a mix (``MIXES``)."""
     import gguf
 
@@ -456,22 +465,7 @@ def tensor_types(src: ExportSource, qtype: str, embedding_bits: int = 16) -> dic
     if missing is not None:
         raise OptcError(f"GGUF export has no llama.cpp name for {missing}")
     cols = {k: src.spec(k)[1][1] for k in keys}
-    if qtype == PER_SCHEME:
-        linears = set(src.linears()) - {src.head}
-        out = {}
-        for k in keys:
-            mod = k.rpartition(".")[0]
-            if mod in linears:
-                p = src.qparams.get(mod)
-                t = scheme_type(None if p is None else p.scheme)
-                if t is None:
-                    raise OptcError(f"GGUF stores {mod}'s {p.scheme.label()} in no block type ({SCHEME_TYPES_HELP})")
-                out[k] = TensorType(t)
-            elif base[k] == embd and embedding_bits == 8:
-                out[k] = TensorType("q8_0")
-            else:
-                out[k] = TensorType("f16")
-    elif qtype in MIXES:
+    if qtype in MIXES:
         config = src.config
         heads = config.num_attention_heads
         types = mix_types(qtype, [(f"{base[k]}.weight", cols[k]) for k in keys], tied=tied, n_head=heads,
@@ -482,8 +476,9 @@ def tensor_types(src: ExportSource, qtype: str, embedding_bits: int = 16) -> dic
         linears = set(src.linears()) - {src.head}
         out = {}
         for k in keys:
-            if k.rpartition(".")[0] in linears:
-                out[k] = TensorType(qtype)
+            mod = k.rpartition(".")[0]
+            if mod in linears:
+                out[k] = TensorType(qtype if qtype != PER_SCHEME else _type_of_grid(src, mod))
             elif base[k] == embd and embedding_bits == 8:
                 out[k] = TensorType("q8_0")
             else:

@@ -110,8 +110,9 @@ class Budget(BaseModel):
     candidates: list[QuantScheme | None] = Field(
         default_factory=_symmetric_candidates,
         description="schemes a Linear may get (null: left in float), or a named set: symmetric (the default: int3 "
-        "and int4 at groups 64-192, int8, float) or asymmetric (zero points per group: lower error per bit at 3 "
-        "bits; transformers 5.25 loads such mixes only decoded module by module)")
+        "and int4 at groups 64-192, int8, float), asymmetric (zero points per group: lower error per bit at 3 "
+        "bits; transformers 5.25 loads such mixes only decoded module by module) or gguf (the grids GGUF's block "
+        "types hold, for --format gguf)")
     sensitivity: Literal["fisher", "output"] = Field(
         "fisher", description="a candidate's estimated loss: its Linear's output error tr(dW H dW^T) weighted per output "
         "channel by the loss's mean squared gradient there (fisher: one backward pass per sample), or unweighted "

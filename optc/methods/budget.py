@@ -153,7 +153,7 @@ def estimate_observer(cfg: WeightQuantConfig) -> str:
 
 
 def candidate_errors(ws: Workspace, cfg: WeightQuantConfig, free: list[str],
-                     stored: dict[str, list[bool]] | None = None) -> dict[str, list[float]]:
+                     stored: dict[str, list[bool]]) -> dict[str, list[float]]:
     """Each free Linear's round-to-nearest output error ``tr(dW H dW^T)`` on every candidate, ``H``
     from the float model's inputs on the budget's first calibration sequences (``stored``: per
     Linear, the candidates the format can store it on; the others are not evaluated: inf)."""
@@ -187,10 +187,9 @@ def candidate_errors(ws: Workspace, cfg: WeightQuantConfig, free: list[str],
                 gamma = None if gamma is None else gamma[::stride]
                 scale = weight_2d(step.linears[name]).shape[0] / w.shape[0]
                 imp = torch.diagonal(H) if observer == "mse" else None
-                ok = stored[name] if stored is not None else [True] * len(candidates)
                 errors[name] = [math.inf if not fits else 0.0 if c is None else scale * output_error(
                     fake_quantize(w, choose_qparams(w, c, observer, importance=imp, grid=GRID)) - w, H, gamma)
-                    for c, fits in zip(candidates, ok)]
+                    for c, fits in zip(candidates, stored[name])]
         return {}
 
     ids = ws.calibration_ids()[: cfg.budget.samples]
