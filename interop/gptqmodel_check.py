@@ -1,5 +1,7 @@
 """`make test-interop`, step 3 (gptqmodel venv): transformers loads optc's GPTQ and AWQ checkpoints
 through optimum + gptqmodel (its CPU ``TorchAtenLinear`` kernel) and computes the same logits.
+A GPTQ checkpoint with per-module settings (``dynamic`` in its config: ``gptq-mix``) loads with
+GPTQModel's own loader, since transformers' optimum path ignores ``dynamic``.
 
 Set ``GPTQMODEL_CPU_WORKERS=2`` on a 2-core machine (gptqmodel refuses to start otherwise).
 float32 by default: its int4 CPU matmul takes ~24 s per 512-token window in float32 and ~4 s in
@@ -17,9 +19,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 
+def load(directory: Path, dtype: torch.dtype) -> torch.nn.Module:
+    qc = json.loads((directory / "config.json").read_text()).get("quantization_config") or {}
+    if qc.get("dynamic"):
+        from gptqmodel import BACKEND, GPTQModel
+
+        return GPTQModel.load(str(directory), device="cpu", backend=BACKEND.TORCH, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(directory, device_map="cpu", dtype=dtype).eval()
+
+
 def score(directory: Path, windows: list[list[int]], first: torch.Tensor, reference: torch.Tensor,
           dtype: torch.dtype) -> tuple[float, float]:
-    model = AutoModelForCausalLM.from_pretrained(directory, device_map="cpu", dtype=dtype).eval()
+    model = load(directory, dtype)
     nll, count = 0.0, 0
     with torch.no_grad():
         diff = float((model(first).logits.float() - reference).abs().max())
@@ -34,7 +45,7 @@ def score(directory: Path, windows: list[list[int]], first: torch.Tensor, refere
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
-    ap.add_argument("--formats", nargs="+", default=["gptq", "awq"])
+    ap.add_argument("--formats", nargs="+", default=["gptq", "gptq-mix", "awq"])
     ap.add_argument("--tolerance", type=float, default=0.01)
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     args = ap.parse_args()

@@ -5,8 +5,10 @@ One weight grid for the weight-only formats (round-to-nearest, 4-bit symmetric, 
 they differ only in layout, plus two compressed-tensors ``int-quantized`` W8A8 checkpoints
 (round-to-nearest int8 per-channel weights): ``int8-dynamic`` (per-token activation scales
 computed at run time, as ``int8.yaml``) and ``int8-static`` (calibrated per-tensor min-max scales on 16 x
-512 tokens of WikiText-2 validation; ``down_proj`` inputs dynamic per token). For
-each checkpoint, optc's own reader scores the same windows the runtimes will score.
+512 tokens of WikiText-2 validation; ``down_proj`` inputs dynamic per token). ``gptq-mix``
+is a GPTQ checkpoint with per-module settings (GPTQModel's ``dynamic`` map): the same int4 g64
+grid, ``down_proj`` int8, layer 1's q/k/v int2 (one fused key), layer 0's ``o_proj`` left float.
+For each checkpoint, optc's own reader scores the same windows the runtimes will score.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ from optc.methods.w8a8 import W8A8Stage, run_w8a8
 DATA = Path(os.environ.get("OPTC_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 # "dense" holds the same dequantized weights in float: the runtime's own baseline for them.
 FORMATS = ("dense", "compressed-tensors", "gptq", "awq")
+MIXES = {"gptq-mix": ("gptq", {"ignore": ["lm_head", r"layers\.0\.self_attn\.o_proj"], "overrides": [
+    {"pattern": "down_proj", "scheme": {"bits": 8, "group_size": 64}},
+    {"pattern": r"layers\.1\.self_attn\.[qkv]_proj", "scheme": {"bits": 2, "group_size": 64}}]})}
 W8A8 = {
     "int8-dynamic": {"activations": {"strategy": "token", "dynamic": True}},
     # vLLM's CPU backend has no W8A16 kernel, so down_proj (whose inputs static per-tensor int8
@@ -46,7 +51,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=512)
-    ap.add_argument("--formats", nargs="+", choices=[*FORMATS, *W8A8], default=[*FORMATS, *W8A8],
+    ap.add_argument("--formats", nargs="+", choices=[*FORMATS, *MIXES, *W8A8], default=[*FORMATS, *MIXES, *W8A8],
                     help="checkpoints to (re)write; the others keep their entries in reference.json")
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                     help="unquantized tensors' dtype (optc run's default for this float32 GGUF source: bfloat16)")
@@ -75,6 +80,17 @@ def main() -> None:
         ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
         reference["formats"][fmt] = {"optc_reader": ppl}
         print(f"{fmt}: optc reader perplexity {ppl:.4f}", flush=True)
+    for name, (fmt, extra) in ((n, m) for n, m in MIXES.items() if n in args.formats):
+        mixed = copy.deepcopy(loaded.model)
+        mix_ws = Workspace(mixed, loaded.tokenizer)
+        run_rtn(mix_ws, RTNStage(type="rtn", scheme={"bits": 4, "symmetric": True, "group_size": 64}, **extra))
+        directory = args.out / name
+        directory.mkdir(exist_ok=True)
+        export_checkpoint(ModelSource(mixed, loaded.tokenizer, mix_ws.qparams), fmt, directory, "2GB", dtype)
+        ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
+        reference["formats"][name] = {"optc_reader": ppl, "in_memory": perplexity(mixed, tokens, args.seqlen, args.windows).perplexity}
+        print(f"{name}: optc reader perplexity {ppl:.4f}", flush=True)
+        del mixed, mix_ws
     valid = DATA / "wikitext-2-valid.txt"
     calib = CalibrationConfig(dataset=str(valid) if valid.is_file() else "builtin", samples=16, seqlen=512)
     for name, extra in ((n, e) for n, e in W8A8.items() if n in args.formats):

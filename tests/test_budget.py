@@ -208,6 +208,41 @@ def test_gguf_budget_types_each_tensor_by_its_scheme(tiny_checkpoint: Path, tmp_
         assert types[f"blk.{layer}.{kind}.weight"] == expect[m["scheme"]], name
 
 
+def test_gptq_budget_writes_per_module_settings(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """--format gptq: the mix goes in GPTQModel's dynamic map; the decoder Linears' tensors as the
+    file stores them (codes, zero points, float16 scales, g_idx; float weights of float Linears)
+    average exactly the budget's bits per weight, at or under the target; each module's settings,
+    by the published first-match rule, are the scheme the allocation gave it."""
+    from safetensors.torch import load_file
+
+    from test_formats_gptq import ref_module_setting
+
+    candidates = [{"bits": b, "group_size": 32} for b in (2, 4, 8)] + [None]
+    out = tmp_path / "out"
+    result = _run(_recipe(tmp_path, {"bits_per_weight": 4.6, "candidates": candidates}, "gptq"), tiny_checkpoint, out)
+    assert result.exit_code == 0, (result.output, result.exception)
+    report = json.loads((out / "report.json").read_text())
+    budget = report["stages"][0]["stats"]["budget"]
+    assert budget["bits_per_weight"] <= 4.6 and len(budget["schemes"]) > 1, budget
+    modules = report["stages"][0]["stats"]["modules"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["dynamic"]
+    tensors = load_file(str(out / "model.safetensors"))
+    source = load_file(str(tiny_checkpoint / "model.safetensors"))
+    linears = [k.removesuffix(".weight") for k, t in source.items() if k.startswith("model.layers.") and t.dim() == 2]
+    stored = 0
+    for name in linears:
+        if name in modules:
+            stored += sum(tensors[f"{name}.{t}"].nbytes * 8 for t in ("qweight", "qzeros", "scales", "g_idx"))
+            bits, group, sym = ref_module_setting(qc, name)
+            assert f"int{bits}-{'sym' if sym else 'asym'}-g{group}" == modules[name]["scheme"], name
+        else:
+            assert ref_module_setting(qc, name) is None and f"{name}.qweight" not in tensors, name
+            stored += tensors[f"{name}.weight"].nbytes * 8
+    weights = sum(source[f"{n}.weight"].numel() for n in linears)
+    assert stored / weights == pytest.approx(budget["bits_per_weight"], abs=1e-4)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--target-bpw", "4", "--format", "gguf"], "GGUF stores int3-sym-g64 in no block type"),
     (["--candidates", "asymmetric"], "give --target-bpw or --target-size too"),
@@ -224,7 +259,8 @@ def test_bad_candidates_flags(tiny_checkpoint: Path, tmp_path: Path, flags: list
     ({"size": "1KB"}, {}, "below the cheapest candidates"),
     ({"bits_per_weight": 15.9, "candidates": [{"bits": 2, "group_size": 64}, None]}, {"_fmt": "compressed-tensors"},
      None),
-    ({"bits_per_weight": 3.5}, {"_fmt": "gptq"}, "one scheme per checkpoint"),
+    ({"bits_per_weight": 4.5, "candidates": [{"bits": 4, "group_size": 32}, {"bits": 4, "group_size": 64}]},
+     {"_fmt": "awq"}, "one scheme per checkpoint"),
     ({"bits_per_weight": 3.5}, {"_fmt": "gguf-q4_0"}, "Q4_0 blocks hold"),
     ({"bits_per_weight": 3.5}, {"overrides": [{"pattern": ".*", "scheme": {"bits": 4}}]}, "nothing to choose"),
 ])

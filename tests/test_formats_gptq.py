@@ -18,6 +18,7 @@ import torch
 from optc.compress.quant import QuantParams, QuantScheme, dequantize, quantize
 from optc.errors import OptcError
 from optc.export.convert import export_model
+from optc.export.formats import FORMATS
 from optc.export.gptq_format import write_gptq
 from optc.export.load import load_checkpoint as load_model
 from optc.export.packing import pack_qzeros, v1_representable
@@ -159,24 +160,72 @@ def test_v1_zero_point_zero_is_shifted_exactly_or_refused() -> None:
 def test_refusals_write_nothing(tiny_lm, tiny_tokenizer, tmp_path) -> None:
     from optc.export.checkpoint import staged_output
 
-    cases = {
-        "5-bit": quantize_rtn(tiny_lm, tiny_tokenizer, bits=5, group_size=32),
-    }
-    mixed_model, mixed = quantize_rtn(tiny_lm, tiny_tokenizer, bits=4, group_size=32)
-    _, eight = quantize_rtn(tiny_lm, tiny_tokenizer, bits=8, group_size=32)
-    mixed["model.layers.1.mlp.down_proj"] = eight["model.layers.1.mlp.down_proj"]
-    cases["mixed"] = (mixed_model, mixed)
-    partial_model, partial = quantize_rtn(tiny_lm, tiny_tokenizer, bits=4, group_size=32)
-    del partial["model.layers.0.self_attn.q_proj"]
-    cases["float Linear"] = (partial_model, partial)
-    reasons = {"5-bit": "2/3/4/8-bit", "mixed": "one scheme", "float Linear": "stay float"}
-    for label, (model, qparams) in cases.items():
-        target = tmp_path / label.replace(" ", "-")
-        with pytest.raises(OptcError, match=reasons[label]):
-            with staged_output(target, overwrite=False) as tmp:
-                export_model(model, tiny_tokenizer, qparams, "gptq", tmp)
-        assert not target.exists()
+    model, qparams = quantize_rtn(tiny_lm, tiny_tokenizer, bits=5, group_size=32)
+    target = tmp_path / "five"
+    with pytest.raises(OptcError, match="2/3/4/8-bit"):
+        with staged_output(target, overwrite=False) as tmp:
+            export_model(model, tiny_tokenizer, qparams, "gptq", tmp)
+    assert not target.exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def ref_module_setting(qc: dict, name: str) -> tuple | None:
+    """The published ``dynamic`` rule (GPTQModel ``dynamic_get``, vLLM ``get_dynamic_override``):
+    the first key whose regex ``re.match``es the name; ``-:`` keys leave the module unquantized."""
+    import re
+
+    for key, overrides in (qc.get("dynamic") or {}).items():
+        negative = key.startswith("-:")
+        if re.match(key[2:] if key[:2] in ("-:", "+:") else key, name):
+            if negative:
+                return None
+            qc = {**qc, **overrides}
+            break
+    return qc["bits"], qc["group_size"], qc["sym"]
+
+
+def test_mixed_schemes_and_float_linears_go_in_the_dynamic_map(tiny_lm, tiny_tokenizer, tiny_ids, tmp_path) -> None:
+    """A mix: most modules int4 g32, down_projs int8 g64, layer 1's q/k/v int2 g32 (one key that
+    also names vLLM's fused qkv_proj), one o_proj left float; each module dequantizes, by the
+    reference unpacker and the published matching rule, to what optc computed."""
+    import re
+
+    model, qparams = quantize_rtn(tiny_lm, tiny_tokenizer, bits=4, group_size=32)
+    _, eight = quantize_rtn(tiny_lm, tiny_tokenizer, bits=8, group_size=64)
+    _, two = quantize_rtn(tiny_lm, tiny_tokenizer, bits=2, group_size=32)
+    for name in qparams:
+        source = eight if "down_proj" in name else two if re.search(r"layers\.1\.self_attn\.[qkv]_proj", name) else None
+        if source is not None:
+            qparams[name] = source[name]
+            model.get_submodule(name).weight.data.copy_(dequantize(quantize(tiny_lm.get_submodule(name).weight, source[name]),
+                                                                   source[name]))
+    floating = "model.layers.0.self_attn.o_proj"
+    del qparams[floating]
+    model.get_submodule(floating).weight.data.copy_(tiny_lm.get_submodule(floating).weight)
+    summary = write_gptq(model, qparams, tmp_path)
+    assert summary["modules"] == 13 and summary["dynamic"] == 4
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert (qc["bits"], qc["group_size"], qc["sym"]) == (4, 32, True)
+    assert "+:" + re.escape("model.layers.1.self_attn") + r"\.(?:q_proj|k_proj|v_proj|qkv_proj)$" in qc["dynamic"]
+    fused = next(k for k in qc["dynamic"] if "qkv" in k)
+    assert re.match(fused[2:], "model.layers.1.self_attn.qkv_proj")  # the name vLLM asks with
+    assert not re.match(fused[2:], "model.layers.11.self_attn.q_proj")
+    tensors = load_tensors(tmp_path)
+    assert ref_module_setting(qc, floating) is None and f"{floating}.qweight" not in tensors
+    stored = tensors[f"{floating}.weight"]
+    assert torch.equal(stored, tiny_lm.get_submodule(floating).weight.detach().to(stored.dtype))
+    for name, p in qparams.items():
+        bits, group, sym = ref_module_setting(qc, name)
+        assert (bits, group, sym) == (p.scheme.bits, p.scheme.group_size, p.scheme.symmetric), name
+        w = model.get_submodule(name).weight
+        assert torch.equal(ref_dequantize(tensors, name, bits), expected_weight(w, p)), name
+    tiny_tokenizer.save_pretrained(tmp_path)
+    reloaded = load_model(str(tmp_path))
+    assert set(reloaded.qparams) == set(qparams)
+    ref = logits(model, tiny_ids)
+    assert (logits(reloaded.model, tiny_ids) - ref).abs().max() <= fp16_tolerance(ref)
+    info = FORMATS["gptq"].describe(tmp_path)
+    assert info["bits"] == [2, 4, 8] and info["ignore"] == [re.escape(floating) + "$"]
 
 
 def test_dimensions_must_fill_32_element_blocks(tmp_path) -> None:

@@ -39,7 +39,7 @@ def test_importing_the_registry_imports_neither_torch_nor_transformers() -> None
 
 def test_builtin_formats_and_unknown_names() -> None:
     assert list(FORMATS)[: len(BUILTIN)] == BUILTIN
-    assert get_format("gptq").one_scheme and get_format("compressed-tensors").holds_activations
+    assert get_format("awq").one_scheme and get_format("compressed-tensors").holds_activations
     with pytest.raises(OptcError, match="unknown export format 'exl2' \\(expected one of dense, compressed-tensors"):
         get_format("exl2")
     with pytest.raises(ValueError, match="already registered"):

@@ -17,12 +17,21 @@ v1/v2 zero convention; collected in ``/work/shared/docs/formats.md`` section 2a)
 
 Dequantization: ``W[n, k] = scales[g_idx[k], n] * (q_u[k, n] - zero_u[g_idx[k], n])``, which is
 optc's ``(q - z) * s`` with both codes shifted by ``2^(b-1)``.
+
+Per-module schemes (a budget's mix, or Linears left float) go in GPTQModel's ``dynamic`` map of the
+config: regex -> overrides of ``bits``/``group_size``/``sym``/``desc_act``; a ``-:`` key leaves the
+modules it matches unquantized. Readers take the first key whose pattern ``re.match``es the module
+name (GPTQModel ``quantization/config.py`` ``dynamic_get``; vLLM ``gptq_utils.get_dynamic_override``,
+which asks with the name of the fused module it builds, e.g. ``qkv_proj``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import re
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +49,8 @@ from optc.export.files import (
     write_config,
 )
 from optc.export.registry import Format
-from optc.export.source import ExportSource, ModelSource, check_linear, integer_grid, refuse_activations, save_tokenizer, uniform_scheme
+from optc.export.source import ExportSource, ModelSource, check_linear, integer_grid, refuse_activations, save_tokenizer
+from optc.model.patterns import FUSED_SHARDS, fused_groups
 
 if TYPE_CHECKING:
     import torch
@@ -57,7 +67,7 @@ ALIGN = 32
 DEFAULT_SHARD_BYTES = 2 * 1024**3
 
 
-# --- groups -----------------------------------------------------------------------------------
+# --- groups and per-module schemes ---------------------------------------------------------------
 
 
 def shared_group_size(qparams: dict[str, QuantParams]) -> int | None:
@@ -74,10 +84,81 @@ def shared_group_size(qparams: dict[str, QuantParams]) -> int | None:
     return fit_group_size(sizes.pop(), [p.g_idx.numel() for p in qparams.values()])
 
 
+# One module's stored settings: (bits, group_size or -1, sym, desc_act); None: kept float.
+Setting = tuple[int, int, bool, bool]
+
+
+def _setting(p: QuantParams, group_size: int | None) -> Setting:
+    return (p.scheme.bits, -1 if group_size is None else group_size, p.scheme.symmetric, p.actorder)
+
+
+def _overrides(setting: Setting) -> dict:
+    bits, group, sym, desc_act = setting
+    return {"bits": bits, "group_size": group, "sym": sym, "desc_act": desc_act}
+
+
+def dynamic_config(settings: dict[str, Setting | None]) -> tuple[Setting, dict[str, dict]]:
+    """The base settings (the most modules') and the ``dynamic`` map that gives every other module
+    its own: one exact key per module, or per fused set whose shards agree (so vLLM's fused name
+    matches too); ``-:`` keys for the float ones."""
+    counts = Counter(s for s in settings.values() if s is not None)
+    base = counts.most_common(1)[0][0]
+    dynamic: dict[str, dict] = {}
+    for group in fused_groups(settings):
+        parent, _, leaf = group[0].rpartition(".")
+        fused, shards = next(((f, s) for f, s in FUSED_SHARDS.items() if leaf in s), (None, ()))
+        agree = len({settings[n] for n in group}) == 1
+        if fused is not None and len(group) == len(shards) and agree:
+            keys = {rf"{re.escape(parent)}\.(?:{'|'.join((*shards, fused))})$": group}
+        else:
+            keys = {re.escape(n) + "$": [n] for n in group}
+            if fused is not None and not agree:
+                log.warning("gptq: vLLM loads %s as one %s and needs one scheme for them; these differ "
+                            "(GPTQModel and transformers load it)", ", ".join(group), fused)
+        for key, names in keys.items():
+            setting = settings[names[0]]
+            if setting != base:
+                dynamic[("-:" if setting is None else "+:") + key] = {} if setting is None else _overrides(setting)
+    return base, dynamic
+
+
+def module_setting(qc: dict, name: str) -> Setting | None:
+    """The settings a GPTQ config gives module ``name``: the first ``dynamic`` key whose pattern
+    matches it (None for a ``-:`` key: left float), else the base ones."""
+    base = {"bits": int(qc.get("bits", 4)), "group_size": qc.get("group_size", -1),
+            "sym": bool(qc.get("sym", True)), "desc_act": bool(qc.get("desc_act", False))}
+    for key, overrides in (qc.get("dynamic") or {}).items():
+        if re.match(key[2:] if key.startswith(("+:", "-:")) else key, name):
+            if key.startswith("-:"):
+                return None
+            base.update(overrides or {})
+            break
+    group = base["group_size"]
+    return int(base["bits"]), -1 if group in (-1, None) else int(group), bool(base["sym"]), bool(base["desc_act"])
+
+
+def _stored_bits(scheme: QuantScheme | None, out_features: int, in_features: int, float_bits: int,
+                 permuted: bool = False) -> int | None:
+    """What the writer stores for one Linear in a mix: int32 words of codes down each column,
+    packed zero points and float16 scales per group, int32 ``g_idx``; None where the layout cannot
+    hold it as its own grid (bits, a dimension not filling 32-element blocks, groups not dividing
+    K). A float Linear is the float tensor (a ``-:`` key)."""
+    if scheme is None:
+        return out_features * in_features * float_bits
+    if _fits(scheme, permuted) or out_features % ALIGN or in_features % ALIGN:
+        return None
+    group = scheme.group_size or in_features
+    if in_features % group and not permuted:
+        return None
+    groups = math.ceil(in_features / group)
+    return in_features * out_features * scheme.bits + groups * out_features * (scheme.bits + 16) + 32 * in_features
+
+
 # --- writer -----------------------------------------------------------------------------------
 
 
-def gptq_config(scheme: QuantScheme, group_size: int | None, desc_act: bool, v1: bool = True) -> dict:
+def gptq_config(scheme: QuantScheme, group_size: int | None, desc_act: bool, v1: bool = True,
+                dynamic: dict[str, dict] | None = None) -> dict:
     """The ``quantization_config`` block (AutoGPTQ ``BaseQuantizeConfig`` and GPTQModel keys)."""
     fmt = "gptq" if v1 else "gptq_v2"
     return {
@@ -93,16 +174,31 @@ def gptq_config(scheme: QuantScheme, group_size: int | None, desc_act: bool, v1:
         "checkpoint_format": fmt,
         "format": fmt,
         "pack_dtype": "int32",
+        **({"dynamic": dynamic} if dynamic else {}),
         "meta": {"quantizer": [f"optc:{optc.__version__}"]},
     }
+
+
+def _module_groups(src: ExportSource, qparams: dict[str, QuantParams]) -> dict[str, int | None]:
+    """The group size each module is stored with. One scheme for all: one size that fits every
+    K, so the config needs no ``dynamic`` map; a mix: each module's own, fit to its K."""
+    from optc.export.packing import even_group_size
+
+    schemes = {(p.scheme.bits, p.scheme.symmetric, p.scheme.group_size) for p in qparams.values()}
+    if len(schemes) == 1 and not any(p.actorder for p in qparams.values()):
+        size = shared_group_size(qparams)
+        return dict.fromkeys(qparams, size)
+    return {name: p.scheme.group_size if p.actorder else even_group_size(p.scheme.group_size, p.g_idx.numel())
+            for name, p in qparams.items()}
 
 
 def write_gptq_source(src: ExportSource, directory: Path, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> dict:
     """Write ``src`` (fake-quantized Linears described by ``src.qparams``) as a GPTQ v1 checkpoint.
 
-    Refused with the reason, before anything is written, when the grid does not fit the format:
-    bits outside 2/3/4/8, mixed schemes, float Linears inside the decoder, non-Linear modules,
-    dimensions not multiples of 32, or asymmetric zero points v1 cannot store.
+    Modules on other schemes than the most common one, and decoder Linears left float, get
+    GPTQModel ``dynamic`` entries. Refused with the reason, before anything is written, when a grid
+    does not fit the format: bits outside 2/3/4/8, non-Linear modules, dimensions not multiples of
+    32, or asymmetric zero points v1 cannot store.
     """
     import torch
 
@@ -110,17 +206,12 @@ def write_gptq_source(src: ExportSource, directory: Path, *, max_shard_bytes: in
     from optc.export.packing import grid_codes, pack_qweight, pack_qzeros, regroup, splice, v1_representable, write_weights
 
     qparams = src.qparams
-    scheme = uniform_scheme(qparams, FORMAT)
-    if scheme.bits not in GPTQ_BITS:
-        raise OptcError(f"GPTQ holds {'/'.join(map(str, GPTQ_BITS))}-bit weights, not {scheme.bits}-bit")
-    floats = [n for n in src.linears() if n != src.head and n not in qparams]
-    if floats:
-        raise OptcError(
-            f"GPTQ quantizes every Linear of the decoder with one scheme, but {len(floats)} stay float "
-            f"(e.g. {floats[0]}); export compressed-tensors for partial quantization"
-        )
-    actorder = any(p.actorder for p in qparams.values())
-    group_size = scheme.group_size if actorder else shared_group_size(qparams)
+    if not qparams:
+        raise OptcError(f"{FORMAT} export needs quantized weights; this model has none")
+    for name, p in qparams.items():
+        if p.scheme.bits not in GPTQ_BITS:
+            raise OptcError(f"GPTQ holds {'/'.join(map(str, GPTQ_BITS))}-bit weights, not {p.scheme.bits}-bit ({name})")
+    groups = _module_groups(src, qparams)
     stored = set(src.keys())
 
     packed: dict[str, dict[str, torch.Tensor]] = {}
@@ -131,33 +222,43 @@ def write_gptq_source(src: ExportSource, directory: Path, *, max_shard_bytes: in
             raise OptcError(f"GPTQ needs both dimensions to be multiples of {ALIGN}; {name} is {n}x{k}")
         if f"{name}.weight" not in stored:
             raise OptcError(f"{name}.weight is tied to another tensor; a tied weight cannot be quantized alone")
-        if not p.actorder and group_size != p.scheme.group_size:
-            p = regroup(p, group_size)
+        if not p.actorder and groups[name] != p.scheme.group_size:
+            p = regroup(p, groups[name])
         with torch.no_grad():
             q = grid_codes(name, src.tensor(f"{name}.weight"), p)
-            if not scheme.symmetric:
+            if not p.scheme.symmetric:
                 q, p = v1_representable(q, p, name)
             packed[name] = {
-                "qweight": pack_qweight(q, scheme.bits),
-                "qzeros": pack_qzeros(p.zero, scheme.bits),
+                "qweight": pack_qweight(q, p.scheme.bits),
+                "qzeros": pack_qzeros(p.zero, p.scheme.bits),
                 "scales": p.scale.t().contiguous().to(torch.float16),
                 "g_idx": p.g_idx.to(torch.int32),
             }
 
+    settings: dict[str, Setting | None] = {}
+    for name in src.linears():
+        if name != src.head:
+            settings[name] = _setting(qparams[name], groups[name]) if name in qparams else None
+    base, dynamic = dynamic_config(settings)
+    bits, group, sym, desc_act = base
+    scheme = QuantScheme(bits=bits, symmetric=sym, group_size=None if group == -1 else group)
     directory = Path(directory)
     files = write_weights(splice(src, packed), directory, max_shard_bytes)
-    qc = gptq_config(scheme, group_size, desc_act=actorder)
+    qc = gptq_config(scheme, scheme.group_size, desc_act=desc_act, dynamic=dynamic)
     write_config(src, qc, directory)
     (directory / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n")
-    label = QuantScheme(bits=scheme.bits, symmetric=scheme.symmetric, group_size=group_size).label()
+    labels = Counter(QuantScheme(bits=s[0], symmetric=s[2], group_size=None if s[1] == -1 else s[1]).label()
+                     + ("-actorder" if s[3] else "") if s else "float" for s in settings.values())
     summary = {
         "format": FORMAT,
-        "scheme": label + ("-actorder" if actorder else ""),
+        "scheme": ", ".join(labels) if len(labels) > 1 else next(iter(labels)),
         "modules": len(packed),
         "bytes": sum(f.stat().st_size for f in files),
         "files": [f.name for f in files],
     }
-    log.info("gptq: %d modules (%s), %d bytes in %s", len(packed), label, summary["bytes"], directory)
+    if dynamic:
+        summary["dynamic"] = len(dynamic)
+    log.info("gptq: %d modules (%s), %d bytes in %s", len(packed), summary["scheme"], summary["bytes"], directory)
     return summary
 
 
@@ -182,7 +283,8 @@ def _pop(tensors: dict[str, torch.Tensor], key: str, directory: Path) -> torch.T
 
 
 def read_gptq(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantParams]]:
-    """optc's own reader: dequantized float state dict and the params of a GPTQ checkpoint."""
+    """optc's own reader: dequantized float state dict and the params of a GPTQ checkpoint
+    (``dynamic`` per-module settings included)."""
     import torch
 
     from optc.compress.quant import QuantParams, QuantScheme, default_g_idx, dequantize
@@ -195,17 +297,20 @@ def read_gptq(directory: Path) -> tuple[dict[str, torch.Tensor], dict[str, Quant
     fmt = qc.get("checkpoint_format", qc.get("format", "gptq"))
     if fmt not in ("gptq", "gptq_v2"):
         raise OptcError(f"{directory}: GPTQ checkpoint_format {fmt!r} is not readable (gptq or gptq_v2)")
-    if qc.get("dynamic"):
-        raise OptcError(f"{directory}: per-module 'dynamic' GPTQ overrides are not readable")
-    bits = int(qc.get("bits", 4))
-    if bits not in GPTQ_BITS:
-        raise OptcError(f"{directory}: GPTQ bits {bits} is not one of {GPTQ_BITS}")
-    g = qc.get("group_size", -1)
-    scheme = QuantScheme(bits=bits, symmetric=bool(qc.get("sym", True)), group_size=None if g in (-1, None) else g)
     tensors = read_tensors(directory)
     state: dict[str, torch.Tensor] = {}
     qparams: dict[str, QuantParams] = {}
     for name in [key.removesuffix(".qweight") for key in tensors if key.endswith(".qweight")]:
+        try:
+            setting = module_setting(qc, name)
+        except (re.error, TypeError, ValueError) as exc:
+            raise OptcError(f"{directory}: GPTQ dynamic config: {exc}") from None
+        if setting is None:
+            raise OptcError(f"{directory}: {name} has packed weights but a '-:' dynamic key leaves it float")
+        bits, g, sym, _ = setting
+        if bits not in GPTQ_BITS:
+            raise OptcError(f"{directory}: GPTQ bits {bits} ({name}) is not one of {GPTQ_BITS}")
+        scheme = QuantScheme(bits=bits, symmetric=sym, group_size=None if g == -1 else g)
         qweight = _pop(tensors, f"{name}.qweight", directory)
         scales = _pop(tensors, f"{name}.scales", directory)
         qzeros = _pop(tensors, f"{name}.qzeros", directory)
@@ -257,25 +362,40 @@ def _qweight_values(fh: Any, key: str, bits: int) -> int | None:
 
 def _describe(path: Path) -> dict:
     qc = read_config(path).get("quantization_config") or {}
-    bits = int(qc.get("bits", 4))
-    summary = one_scheme_summary(qc, f"{FORMAT}/{qc.get('checkpoint_format', qc.get('format', 'gptq'))}")
-    info = describe_safetensors(path, summary, skip=(".qzeros", ".scales", ".g_idx"),
-                                packed={".qweight": lambda fh, key: _qweight_values(fh, key, bits)})
+    fmt = f"{FORMAT}/{qc.get('checkpoint_format', qc.get('format', 'gptq'))}"
     state, qparams = read_gptq(path)
+    summary = one_scheme_summary(qc, fmt)
+    if qc.get("dynamic"):
+        schemes = [p.scheme for p in qparams.values()]
+        summary.update({
+            "scheme": ", ".join(sorted({s.label() for s in schemes})),
+            "bits": sorted({s.bits for s in schemes}),
+            "group_size": sorted({"channel" if s.group_size is None else s.group_size for s in schemes}, key=str),
+            "symmetric": sorted({s.symmetric for s in schemes}),
+            "act_order": sorted({str(p.actorder) for p in qparams.values()}),
+            "ignore": [key[2:] for key in qc["dynamic"] if key.startswith("-:")],
+        })
+
+    def values(fh: Any, key: str) -> int | None:
+        setting = module_setting(qc, key.removesuffix(".qweight"))
+        return None if setting is None else _qweight_values(fh, key, setting[0])
+
+    info = describe_safetensors(path, summary, skip=(".qzeros", ".scales", ".g_idx"), packed={".qweight": values})
     info["sparsity"] = code_sparsity(state, qparams)
     return info
 
 
 GPTQ = Format(
     name=FORMAT,
-    description="GPTQ v1, one 2/3/4/8-bit scheme (AutoGPTQ/GPTQModel layout), loaded by transformers (optimum), vLLM and TGI",
+    description="GPTQ v1, 2/3/4/8-bit (AutoGPTQ/GPTQModel layout; mixes in GPTQModel's dynamic map), "
+                "loaded by transformers (gptqmodel), vLLM and TGI",
     fits=_fits,
     write=_write,
     read=dequantizing_reader(read_gptq),
     detect=lambda path: quant_method(path) == FORMAT,
     describe=_describe,
     bits_per_weight=grid_bits_per_weight,
-    one_scheme=True,
+    stored_bits=_stored_bits,
     needs_quantized=True,
     usage="""transformers (with `optimum` and `gptqmodel` installed):
 

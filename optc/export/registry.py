@@ -41,7 +41,7 @@ class Format:
     # None where the format cannot store that Linear on that scheme (GGUF's k-quant super-blocks
     # on rows they do not divide). None: the format cannot hold a budget's mix of schemes.
     stored_bits: Callable[[Any, int, int, int, bool], int | None] | None = None
-    one_scheme: bool = False  # one (bits, symmetric) per checkpoint (gptq, awq)
+    one_scheme: bool = False  # one (bits, symmetric) per checkpoint (awq)
     needs_quantized: bool = False  # refuses a model with nothing quantized
     holds_activations: bool = False  # stores activation quantization (W8A8)
     holds_kv_cache: bool = False  # stores KV-cache scales (k_scale / v_scale)
