@@ -135,6 +135,22 @@ def test_bits_per_weight_budget_end_to_end(tiny_checkpoint: Path, tmp_path: Path
     # optc's reader of the written checkpoint (down_proj's 160 columns store group 64 as groups of 32)
     read = load_checkpoint(str(out)).qparams
     assert {n: read[n].scheme.bits for n in modules} == {n: int(m["scheme"][3]) for n, m in modules.items()}
+    # compressed-tensors goes to vLLM, which fuses each layer's q/k/v and gate/up: one scheme each.
+    assert budget["fused_sets"] == 4
+    for layer in range(2):
+        for shards in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            kind = "self_attn" if "q_proj" in shards else "mlp"
+            assert len({modules[f"model.layers.{layer}.{kind}.{s}"]["scheme"] for s in shards}) == 1
+
+
+def test_fused_groups() -> None:
+    from optc.model.patterns import fused_groups
+
+    names = ["a.0.self_attn.q_proj", "a.0.self_attn.k_proj", "a.0.self_attn.o_proj", "a.1.self_attn.q_proj",
+             "a.0.self_attn.v_proj", "a.0.mlp.gate_proj", "a.0.mlp.up_proj", "a.0.mlp.down_proj"]
+    assert fused_groups(names) == [
+        ["a.0.self_attn.q_proj", "a.0.self_attn.k_proj", "a.0.self_attn.v_proj"], ["a.0.self_attn.o_proj"],
+        ["a.1.self_attn.q_proj"], ["a.0.mlp.gate_proj", "a.0.mlp.up_proj"], ["a.0.mlp.down_proj"]]
 
 
 def test_size_budget_and_cli_flag(tiny_checkpoint: Path, tmp_path: Path) -> None:
@@ -192,6 +208,7 @@ def test_gguf_budget_types_each_tensor_by_its_scheme(tiny_checkpoint: Path, tmp_
     report = json.loads((out / "report.json").read_text())
     budget = report["stages"][0]["stats"]["budget"]
     assert budget["bits_per_weight"] <= 5.2 and len(budget["schemes"]) > 1, budget
+    assert budget["fused_sets"] == 0  # llama.cpp keeps q/k/v and gate/up apart
     assert not any("_k" in s for s in budget["schemes"])
     modules = report["stages"][0]["stats"]["modules"]
     expect = {"int4-sym-g32": "Q4_0", "int4-asym-g32": "Q4_1", "int5-sym-g32": "Q5_0", "int5-asym-g32": "Q5_1",
@@ -219,10 +236,13 @@ def test_gptq_budget_writes_per_module_settings(tiny_checkpoint: Path, tmp_path:
 
     candidates = [{"bits": b, "group_size": 32} for b in (2, 4, 8)] + [None]
     out = tmp_path / "out"
-    result = _run(_recipe(tmp_path, {"bits_per_weight": 4.6, "candidates": candidates}, "gptq"), tiny_checkpoint, out)
+    # fused: false lets q/k/v differ (GPTQModel loads that; vLLM would not, and the export warns).
+    budget = {"bits_per_weight": 4.6, "candidates": candidates, "fused": False}
+    result = _run(_recipe(tmp_path, budget, "gptq"), tiny_checkpoint, out)
     assert result.exit_code == 0, (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())
     budget = report["stages"][0]["stats"]["budget"]
+    assert budget["fused_sets"] == 0
     assert budget["bits_per_weight"] <= 4.6 and len(budget["schemes"]) > 1, budget
     modules = report["stages"][0]["stats"]["modules"]
     qc = json.loads((out / "config.json").read_text())["quantization_config"]

@@ -203,6 +203,8 @@ def test_end_to_end_scales_keep_the_codes_and_lower_the_error(arch, autocast, tm
         assert torch.equal(quantize(w, p), quantize(weight_2d(plain.get_submodule(name)).detach(), ws0.qparams[name]))
         assert not torch.equal(p.scale, ws0.qparams[name].scale)
     assert not tuned.training
+    # Only the scale factors took gradients: no weight-sized gradient is left on the model.
+    assert all(q.grad is None for q in tuned.parameters())
     if arch == "llama":
         assert_pack_quantized_reloads(tuned, ws1.qparams, ids, tmp_path)
 

@@ -195,6 +195,7 @@ COMPRESSED_TENSORS = Format(
     describe=_describe,
     bits_per_weight=_bits_per_weight,
     stored_bits=_stored_bits,
+    fused_shards=True,
     needs_quantized=True,
     usage="""transformers (with the `compressed-tensors` package installed):
 

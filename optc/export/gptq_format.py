@@ -396,6 +396,7 @@ GPTQ = Format(
     describe=_describe,
     bits_per_weight=grid_bits_per_weight,
     stored_bits=_stored_bits,
+    fused_shards=True,
     needs_quantized=True,
     usage="""transformers (with `optimum` and `gptqmodel` installed):
 

@@ -34,6 +34,7 @@ from optc.methods.base import Override, WeightQuantConfig, scheme_label
 from optc.methods.common import training_dtype
 from optc.methods.workspace import Workspace
 from optc.model.anatomy import select_linears, weight_2d
+from optc.model.patterns import fused_groups
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class BudgetPlan:
     spare_bits: int  # bits the target leaves for the free Linears
     fixed_bits: int  # bits of everything else the target counts
     weights: int  # decoder-Linear weights the average runs over (bits-per-weight targets)
+    # Sets of free Linears (indices into free) that get one scheme together: the shards vLLM fuses
+    # into one module when the target format's runtime needs that, else each Linear alone.
+    groups: list[list[int]]
 
 
 def _format_bits(fmt: Format, stage: str):
@@ -119,7 +123,10 @@ def plan_budget(model: torch.nn.Module, cfg: WeightQuantConfig, fmt: Format, flo
     if target > high:
         raise OptcError(f"{stage}: budget {unit} is above the costliest candidates' {show(high)} ({labels}): "
                         "every Linear fits on the largest; lower the target or add a larger candidate")
-    return BudgetPlan(free, sizes, target - fixed_bits, fixed_bits, weights)
+    together = budget.fused if budget.fused is not None else fmt.fused_shards
+    index = {n: i for i, n in enumerate(free)}
+    groups = [[index[n] for n in g] for g in fused_groups(free)] if together else [[i] for i in range(len(free))]
+    return BudgetPlan(free, sizes, target - fixed_bits, fixed_bits, weights, groups)
 
 
 def _other_tensor_bits(model: torch.nn.Module, free: dict, decoder: dict, kept, float_bits: int) -> int:
@@ -216,7 +223,14 @@ def allocate_budget(ws: Workspace, cfg: WeightQuantConfig, plan: BudgetPlan) -> 
     # A candidate the format cannot store a Linear on has an infinite error: the allocation never gives it.
     err = torch.tensor([errors[n] for n in plan.free], dtype=torch.float64)
     size = torch.tensor([[0 if b is None else b for b in row] for row in plan.sizes], dtype=torch.int64)
-    pick = allocate(err, size, plan.spare_bits).tolist()
+    # A set that takes one scheme is one knapsack item: its members' errors and sizes summed.
+    members = [torch.tensor(g) for g in plan.groups]
+    group_pick = allocate(torch.stack([err[m].sum(dim=0) for m in members]),
+                          torch.stack([size[m].sum(dim=0) for m in members]), plan.spare_bits)
+    pick = [0] * len(plan.free)
+    for m, s in zip(plan.groups, group_pick.tolist()):
+        for i in m:
+            pick[i] = s
     chosen_bits = sum(plan.sizes[i][s] for i, s in enumerate(pick))
     overrides = [Override(pattern=f"^{re.escape(n)}$", scheme=candidates[s]) for n, s in zip(plan.free, pick)]
     total = plan.fixed_bits + chosen_bits
@@ -225,6 +239,7 @@ def allocate_budget(ws: Workspace, cfg: WeightQuantConfig, plan: BudgetPlan) -> 
         "schemes": dict(Counter(scheme_label(candidates[s]) for s in pick)),
         "estimated_error": round(sum(errors[n][s] for n, s in zip(plan.free, pick)), 6),
         "observer": estimate_observer(cfg),
+        "fused_sets": sum(len(g) > 1 for g in plan.groups),
         "seconds": round(time.perf_counter() - t0, 2),
     }
     if cfg.budget.bits_per_weight is not None:

@@ -191,7 +191,8 @@ def check_trainable(step: LayerStep, names: list[str]) -> None:
         finally:
             for w in weights.values():
                 w.requires_grad_(False)
-                w.grad = None
+            for q in step.layer.parameters():  # the probe's backward reached the norms' weights too
+                q.grad = None
     if dead:
         raise OptcError(f"signround: the output of {step.name} carries no gradient to {dead[0]} (a kernel "
                         "without a backward?); use gptq or awq for this model")
@@ -339,6 +340,14 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
         parametrize.register_parametrization(
             modules[n], "weight", _group_scales(thetas[n], p.scheme.group_size, isinstance(modules[n], Conv1D)))
     opt = torch.optim.Adam(list(thetas.values()), lr=cfg.e2e_lr)
+    # Only the scale factors learn: the model's own parameters (the embedding and the tied head,
+    # the norms, every Linear's fixed weight) would otherwise each take a gradient the size of
+    # the weights, kept between steps since no optimizer clears them, and the head's the most
+    # expensive weight gradient of the backward.
+    learnt = {id(th) for th in thetas.values()}  # the parametrizations made them the model's too
+    frozen = [q for q in model.parameters() if q.requires_grad and id(q) not in learnt]
+    for q in frozen:
+        q.requires_grad_(False)
     gen = torch.Generator().manual_seed(cfg.seed)
     samples, steps, batch = ids.shape[0], cfg.e2e_steps, min(cfg.e2e_batch, ids.shape[0])
     amp = torch.autocast(ids.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
@@ -378,6 +387,8 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
                 log.debug("signround end-to-end step %d: KL %.5g", t, total)
     finally:
         model.eval()
+        for q in frozen:
+            q.requires_grad_(True)
         with torch.no_grad():
             for n, m in modules.items():
                 parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
