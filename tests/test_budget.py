@@ -135,8 +135,18 @@ def test_bits_per_weight_budget_end_to_end(tiny_checkpoint: Path, tmp_path: Path
     # optc's reader of the written checkpoint (down_proj's 160 columns store group 64 as groups of 32)
     read = load_checkpoint(str(out)).qparams
     assert {n: read[n].scheme.bits for n in modules} == {n: int(m["scheme"][3]) for n, m in modules.items()}
-    # compressed-tensors goes to vLLM, which fuses each layer's q/k/v and gate/up: one scheme each.
-    assert budget["fused_sets"] == 4
+    assert budget["fused_sets"] == 0  # each Linear its own scheme unless fused: true
+
+
+def test_fused_budget_gives_vllm_fused_shards_one_scheme(tiny_checkpoint: Path, tmp_path: Path) -> None:
+    """fused: true: each layer's q/k/v_proj and gate/up_proj take one scheme (vLLM loads them as
+    one module each)."""
+    out = tmp_path / "out"
+    result = _run(_recipe(tmp_path, {"bits_per_weight": 5.5, "fused": True}), tiny_checkpoint, out)
+    assert result.exit_code == 0, (result.output, result.exception)
+    stage = json.loads((out / "report.json").read_text())["stages"][0]
+    budget, modules = stage["stats"]["budget"], stage["stats"]["modules"]
+    assert budget["fused_sets"] == 4 and budget["bits_per_weight"] <= 5.5
     for layer in range(2):
         for shards in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
             kind = "self_attn" if "q_proj" in shards else "mlp"
@@ -236,8 +246,8 @@ def test_gptq_budget_writes_per_module_settings(tiny_checkpoint: Path, tmp_path:
 
     candidates = [{"bits": b, "group_size": 32} for b in (2, 4, 8)] + [None]
     out = tmp_path / "out"
-    # fused: false lets q/k/v differ (GPTQModel loads that; vLLM would not, and the export warns).
-    budget = {"bits_per_weight": 4.6, "candidates": candidates, "fused": False}
+    # q/k/v may differ (GPTQModel loads that; vLLM would not, and the export warns).
+    budget = {"bits_per_weight": 4.6, "candidates": candidates}
     result = _run(_recipe(tmp_path, budget, "gptq"), tiny_checkpoint, out)
     assert result.exit_code == 0, (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())

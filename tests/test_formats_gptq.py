@@ -157,6 +157,29 @@ def test_v1_zero_point_zero_is_shifted_exactly_or_refused() -> None:
         v1_representable(q, p, "m")
 
 
+def test_zero_points_v1_cannot_hold_make_a_v2_checkpoint(tiny_lm, tiny_tokenizer, tiny_ids, tmp_path) -> None:
+    """A group of non-negative weights has unsigned zero point 0 and uses the top code: v1's
+    ``zero - 1`` cannot hold it, so the checkpoint is gptq_v2, zero points stored as they are."""
+    import copy
+
+    base = copy.deepcopy(tiny_lm)
+    name = "model.layers.0.mlp.up_proj"
+    with torch.no_grad():
+        base.get_submodule(name).weight[0, :32].abs_()
+    model, qparams = quantize_rtn(base, tiny_tokenizer, bits=4, symmetric=False, group_size=32)
+    assert int(qparams[name].zero[0, 0]) == qparams[name].scheme.qmin
+    summary = write_gptq(model, qparams, tmp_path)
+    assert summary["format"] == "gptq/gptq_v2"
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["checkpoint_format"] == "gptq_v2"
+    tensors = load_tensors(tmp_path)
+    zeros = torch.tensor([ref_unpack_column(row, 4)[:qparams[name].scale.shape[0]] for row in tensors[f"{name}.qzeros"].tolist()])
+    assert int(zeros[0, 0]) == 0  # stored as it is (v1 would store -1)
+    tiny_tokenizer.save_pretrained(tmp_path)
+    ref = logits(model, tiny_ids)
+    assert (logits(load_model(str(tmp_path)).model, tiny_ids) - ref).abs().max() <= fp16_tolerance(ref)
+
+
 def test_refusals_write_nothing(tiny_lm, tiny_tokenizer, tmp_path) -> None:
     from optc.export.checkpoint import staged_output
 
@@ -250,3 +273,30 @@ def test_real_model_gptq_checkpoint_reloads_with_same_logits(default_model, tmp_
     tensors = load_tensors(tmp_path)
     name = "model.layers.3.self_attn.k_proj"
     assert torch.equal(ref_dequantize(tensors, name, 4), expected_weight(model.get_submodule(name).weight, qparams[name]))
+
+
+def test_stored_bits_of_a_mix() -> None:
+    """What a budget counts for one Linear in a GPTQ mix: codes, zero points and float16 scales
+    per group, int32 g_idx; None for what the layout or GPTQModel's kernels cannot hold."""
+    stored = FORMATS["gptq"].stored_bits
+    s4 = QuantScheme(bits=4, group_size=64)
+    assert stored(s4, 64, 128, 16, False) == 128 * 64 * 4 + 2 * 64 * (4 + 16) + 32 * 128
+    assert stored(QuantScheme(bits=3, symmetric=False, group_size=None), 64, 128, 16, False) == 128 * 64 * 3 + 64 * 19 + 32 * 128
+    assert stored(None, 64, 160, 16, False) == 64 * 160 * 16  # left float: the plain weight
+    assert stored(s4, 64, 160, 16, False) is None  # groups of 64 do not divide 160 columns
+    assert stored(QuantScheme(bits=4, group_size=96), 64, 192, 16, False) is None  # not a power of two
+    assert stored(QuantScheme(bits=5, group_size=64), 64, 128, 16, False) is None
+    assert stored(s4, 48, 128, 16, False) is None  # 48 outputs do not fill 32-element blocks
+
+
+def test_warns_when_vllm_fused_shards_differ(tiny_lm, tiny_tokenizer, caplog) -> None:
+    from optc.export.source import ModelSource, warn_unfused
+
+    model, qparams = quantize_rtn(tiny_lm, tiny_tokenizer, bits=4, group_size=32)
+    assert warn_unfused(ModelSource(model, None, qparams), "gptq") == 0
+    _, eight = quantize_rtn(tiny_lm, tiny_tokenizer, bits=8, group_size=32)
+    qparams["model.layers.1.self_attn.v_proj"] = eight["model.layers.1.self_attn.v_proj"]
+    del qparams["model.layers.0.mlp.up_proj"]  # left float beside a quantized gate_proj
+    with caplog.at_level("WARNING"):
+        assert warn_unfused(ModelSource(model, None, qparams), "gptq") == 2
+    assert "2 sets of Linears that vLLM fuses" in caplog.text and "gate_up_proj" in caplog.text

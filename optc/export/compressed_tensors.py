@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from optc.errors import OptcError
 from optc.export.files import describe_safetensors, quantization_config, read_config
 from optc.export.registry import Format
-from optc.export.source import integer_grid, save_tokenizer
+from optc.export.source import integer_grid, save_tokenizer, warn_unfused
 
 if TYPE_CHECKING:
     import torch
@@ -102,6 +102,7 @@ def _write(src: ExportSource, directory: Path, *, max_shard_bytes: int | None = 
 
         summary = write_pack(src, directory, max_shard_bytes=shard)
     save_tokenizer(src, directory)
+    warn_unfused(src, NAME)
     summary["format"] = f"{NAME}/{summary['format']}"
     return summary
 
@@ -195,7 +196,6 @@ COMPRESSED_TENSORS = Format(
     describe=_describe,
     bits_per_weight=_bits_per_weight,
     stored_bits=_stored_bits,
-    fused_shards=True,
     needs_quantized=True,
     usage="""transformers (with the `compressed-tensors` package installed):
 

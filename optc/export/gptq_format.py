@@ -49,7 +49,15 @@ from optc.export.files import (
     write_config,
 )
 from optc.export.registry import Format
-from optc.export.source import ExportSource, ModelSource, check_linear, integer_grid, refuse_activations, save_tokenizer
+from optc.export.source import (
+    ExportSource,
+    ModelSource,
+    check_linear,
+    integer_grid,
+    refuse_activations,
+    save_tokenizer,
+    warn_unfused,
+)
 from optc.model.patterns import FUSED_SHARDS, fused_groups
 
 if TYPE_CHECKING:
@@ -112,9 +120,6 @@ def dynamic_config(settings: dict[str, Setting | None]) -> tuple[Setting, dict[s
             keys = {rf"{re.escape(parent)}\.(?:{'|'.join((*shards, fused))})$": group}
         else:
             keys = {re.escape(n) + "$": [n] for n in group}
-            if fused is not None and not agree:
-                log.warning("gptq: vLLM loads %s as one %s and needs one scheme for them; these differ "
-                            "(GPTQModel and transformers load it)", ", ".join(group), fused)
         for key, names in keys.items():
             setting = settings[names[0]]
             if setting != base:
@@ -140,14 +145,17 @@ def module_setting(qc: dict, name: str) -> Setting | None:
 def _stored_bits(scheme: QuantScheme | None, out_features: int, in_features: int, float_bits: int,
                  permuted: bool = False) -> int | None:
     """What the writer stores for one Linear in a mix: int32 words of codes down each column,
-    packed zero points and float16 scales per group, int32 ``g_idx``; None where the layout cannot
-    hold it as its own grid (bits, a dimension not filling 32-element blocks, groups not dividing
-    K). A float Linear is the float tensor (a ``-:`` key)."""
+    packed zero points and float16 scales per group, int32 ``g_idx``; None where the layout or
+    GPTQModel cannot hold it as its own grid (bits, a dimension not filling 32-element blocks,
+    groups not dividing K or not a power of two). A float Linear is the float tensor (a ``-:``
+    key)."""
     if scheme is None:
         return out_features * in_features * float_bits
     if _fits(scheme, permuted) or out_features % ALIGN or in_features % ALIGN:
         return None
     group = scheme.group_size or in_features
+    if scheme.group_size is not None and group & (group - 1):
+        return None  # GPTQModel's kernels, the loader of a dynamic map, take power-of-two groups only
     if in_features % group and not permuted:
         return None
     groups = math.ceil(in_features / group)
@@ -196,9 +204,9 @@ def write_gptq_source(src: ExportSource, directory: Path, *, max_shard_bytes: in
     """Write ``src`` (fake-quantized Linears described by ``src.qparams``) as a GPTQ v1 checkpoint.
 
     Modules on other schemes than the most common one, and decoder Linears left float, get
-    GPTQModel ``dynamic`` entries. Refused with the reason, before anything is written, when a grid
-    does not fit the format: bits outside 2/3/4/8, non-Linear modules, dimensions not multiples of
-    32, or asymmetric zero points v1 cannot store.
+    GPTQModel ``dynamic`` entries; asymmetric zero points v1 cannot store make it a v2 checkpoint.
+    Refused with the reason, before anything is written, when a grid does not fit the format: bits
+    outside 2/3/4/8, non-Linear modules, dimensions not multiples of 32.
     """
     import torch
 
@@ -214,7 +222,7 @@ def write_gptq_source(src: ExportSource, directory: Path, *, max_shard_bytes: in
     groups = _module_groups(src, qparams)
     stored = set(src.keys())
 
-    packed: dict[str, dict[str, torch.Tensor]] = {}
+    codes: dict[str, tuple[torch.Tensor, QuantParams]] = {}
     for name, p in qparams.items():
         check_linear(src, name, FORMAT)
         n, k = src.spec(f"{name}.weight")[1]
@@ -225,32 +233,48 @@ def write_gptq_source(src: ExportSource, directory: Path, *, max_shard_bytes: in
         if not p.actorder and groups[name] != p.scheme.group_size:
             p = regroup(p, groups[name])
         with torch.no_grad():
-            q = grid_codes(name, src.tensor(f"{name}.weight"), p)
-            if not p.scheme.symmetric:
-                q, p = v1_representable(q, p, name)
-            packed[name] = {
-                "qweight": pack_qweight(q, p.scheme.bits),
-                "qzeros": pack_qzeros(p.zero, p.scheme.bits),
-                "scales": p.scale.t().contiguous().to(torch.float16),
-                "g_idx": p.g_idx.to(torch.int32),
-            }
+            codes[name] = (grid_codes(name, src.tensor(f"{name}.weight"), p), p)
+    # v1 (what every GPTQ reader takes) when it holds every zero point; otherwise v2, which stores
+    # them as they are and which GPTQModel and vLLM read.
+    v1 = True
+    shifted: dict[str, tuple[torch.Tensor, QuantParams]] = {}
+    for name, (q, p) in codes.items():
+        if not p.scheme.symmetric:
+            try:
+                shifted[name] = v1_representable(q, p, name)
+            except OptcError as exc:
+                log.warning("gptq: %s; written as checkpoint_format gptq_v2 (GPTQModel and vLLM read it)", exc)
+                v1 = False
+                break
+    if v1:
+        codes.update(shifted)
+    packed = {
+        name: {
+            "qweight": pack_qweight(q, p.scheme.bits),
+            "qzeros": pack_qzeros(p.zero, p.scheme.bits, v1=v1),
+            "scales": p.scale.t().contiguous().to(torch.float16),
+            "g_idx": p.g_idx.to(torch.int32),
+        }
+        for name, (q, p) in codes.items()
+    }
 
     settings: dict[str, Setting | None] = {}
     for name in src.linears():
         if name != src.head:
             settings[name] = _setting(qparams[name], groups[name]) if name in qparams else None
     base, dynamic = dynamic_config(settings)
+    warn_unfused(src, FORMAT)
     bits, group, sym, desc_act = base
     scheme = QuantScheme(bits=bits, symmetric=sym, group_size=None if group == -1 else group)
     directory = Path(directory)
     files = write_weights(splice(src, packed), directory, max_shard_bytes)
-    qc = gptq_config(scheme, scheme.group_size, desc_act=desc_act, dynamic=dynamic)
+    qc = gptq_config(scheme, scheme.group_size, desc_act=desc_act, v1=v1, dynamic=dynamic)
     write_config(src, qc, directory)
     (directory / "quantize_config.json").write_text(json.dumps(qc, indent=2) + "\n")
     labels = Counter(QuantScheme(bits=s[0], symmetric=s[2], group_size=None if s[1] == -1 else s[1]).label()
                      + ("-actorder" if s[3] else "") if s else "float" for s in settings.values())
     summary = {
-        "format": FORMAT,
+        "format": FORMAT if v1 else f"{FORMAT}/gptq_v2",
         "scheme": ", ".join(labels) if len(labels) > 1 else next(iter(labels)),
         "modules": len(packed),
         "bytes": sum(f.stat().st_size for f in files),
@@ -396,7 +420,6 @@ GPTQ = Format(
     describe=_describe,
     bits_per_weight=grid_bits_per_weight,
     stored_bits=_stored_bits,
-    fused_shards=True,
     needs_quantized=True,
     usage="""transformers (with `optimum` and `gptqmodel` installed):
 

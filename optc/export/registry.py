@@ -42,9 +42,6 @@ class Format:
     # on rows they do not divide). None: the format cannot hold a budget's mix of schemes.
     stored_bits: Callable[[Any, int, int, int, bool], int | None] | None = None
     one_scheme: bool = False  # one (bits, symmetric) per checkpoint (awq)
-    # Its runtimes (vLLM) load the shards of optc.model.patterns.FUSED_SHARDS as one module, which
-    # takes one scheme: a budget gives each such set one scheme unless told otherwise.
-    fused_shards: bool = False
     needs_quantized: bool = False  # refuses a model with nothing quantized
     holds_activations: bool = False  # stores activation quantization (W8A8)
     holds_kv_cache: bool = False  # stores KV-cache scales (k_scale / v_scale)

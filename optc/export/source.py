@@ -8,10 +8,12 @@ output head, which store their weight transposed (GPT-2's Conv1D).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from optc.errors import OptcError
+from optc.model.patterns import FUSED_SHARDS, fused_groups
 
 if TYPE_CHECKING:
     import torch
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from optc.compress.kvquant import KVQuant
     from optc.compress.quant import QuantParams, QuantScheme
     from optc.model.safetensors_io import Entry
+
+log = logging.getLogger(__name__)
 
 
 class ExportSource(Protocol):
@@ -145,6 +149,23 @@ def uniform_scheme(qparams: Mapping[str, QuantParams], fmt: str) -> QuantScheme:
                 f"and {name} is {p.scheme.label()} (mixed precision: export compressed-tensors)"
             )
     return first.scheme
+
+
+def warn_unfused(src: ExportSource, fmt: str) -> int:
+    """Warn when the Linears vLLM loads as one module (a layer's q/k/v_proj, its gate/up_proj)
+    are stored on different schemes (or some left float): vLLM refuses such a checkpoint, other
+    runtimes load it. Returns how many such sets differ."""
+    labels = {n: src.qparams[n].scheme.label() if n in src.qparams else "float"
+              for n in src.linears() if n != src.head}
+    mixed = [g for g in fused_groups(labels) if len(g) > 1 and len({labels[n] for n in g}) > 1]
+    if mixed:
+        parent, _, leaf = mixed[0][0].rpartition(".")
+        fused = next(f for f, shards in FUSED_SHARDS.items() if leaf in shards)
+        log.warning("%s: %d sets of Linears that vLLM fuses into one module mix schemes (e.g. %s: %s): vLLM "
+                    "needs one scheme for each %s and will not load this checkpoint; transformers and GPTQModel "
+                    "do (a budget's fused: true keeps them together)", fmt, len(mixed), parent,
+                    ", ".join(f"{n.rpartition('.')[2]} {labels[n]}" for n in mixed[0]), fused)
+    return len(mixed)
 
 
 def check_linear(src: ExportSource, name: str, fmt: str) -> None:

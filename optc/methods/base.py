@@ -122,10 +122,10 @@ class Budget(BaseModel):
     observer: Literal["minmax", "mse"] | None = Field(
         None, description="the grid each candidate's error is estimated on: null: the stage's own observer "
         "(GPTQ's mse search; minmax for a stage without one)")
-    fused: bool | None = Field(
-        None, description="give the Linears vLLM fuses into one module (a layer's q/k/v_proj, its gate/up_proj) one "
-        "scheme together, which vLLM needs to load the mix; null: when the export format's runtimes fuse them "
-        "(compressed-tensors, GPTQ; not GGUF)")
+    fused: bool = Field(
+        False, description="give the Linears vLLM fuses into one module (a layer's q/k/v_proj, its gate/up_proj) one "
+        "scheme together, which vLLM needs to load the mix (transformers, GPTQModel and llama.cpp load them apart); "
+        "it costs accuracy: the small k/v_proj then take q_proj's bits")
 
     @field_validator("candidates", mode="before")
     @classmethod

@@ -123,9 +123,8 @@ def plan_budget(model: torch.nn.Module, cfg: WeightQuantConfig, fmt: Format, flo
     if target > high:
         raise OptcError(f"{stage}: budget {unit} is above the costliest candidates' {show(high)} ({labels}): "
                         "every Linear fits on the largest; lower the target or add a larger candidate")
-    together = budget.fused if budget.fused is not None else fmt.fused_shards
     index = {n: i for i, n in enumerate(free)}
-    groups = [[index[n] for n in g] for g in fused_groups(free)] if together else [[i] for i in range(len(free))]
+    groups = [[index[n] for n in g] for g in fused_groups(free)] if budget.fused else [[i] for i in range(len(free))]
     return BudgetPlan(free, sizes, target - fixed_bits, fixed_bits, weights, groups)
 
 
