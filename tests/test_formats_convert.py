@@ -127,8 +127,9 @@ def test_recipe_refuses_impossible_export_before_calibration(tmp_path) -> None:
         run_recipe(recipe, tmp_path / "out")
     mixed = parse_recipe({
         "version": 1, "model": str(tmp_path / "never-loaded"),
-        "stages": [{"type": "rtn", "scheme": {"bits": 4}, "overrides": [{"pattern": "down", "scheme": {"bits": 8}}]}],
-        "evaluation": None, "export": {"format": "gptq"},
+        "stages": [{"type": "rtn", "scheme": {"bits": 4},
+                    "overrides": [{"pattern": "down", "scheme": {"bits": 4, "symmetric": False}}]}],
+        "evaluation": None, "export": {"format": "awq"},
     })
     with pytest.raises(OptcError, match="one scheme per checkpoint"):
         run_recipe(mixed, tmp_path / "out")

@@ -264,6 +264,10 @@ def write_gptq_source(src: ExportSource, directory: Path, *, max_shard_bytes: in
             settings[name] = _setting(qparams[name], groups[name]) if name in qparams else None
     base, dynamic = dynamic_config(settings)
     warn_unfused(src, FORMAT)
+    odd = sorted({s[1] for s in settings.values() if s is not None and s[1] != -1 and s[1] & (s[1] - 1)})
+    if odd:
+        log.warning("gptq: group sizes %s are not powers of two: GPTQModel's kernels will not load them",
+                    ", ".join(map(str, odd)))
     bits, group, sym, desc_act = base
     scheme = QuantScheme(bits=bits, symmetric=sym, group_size=None if group == -1 else group)
     directory = Path(directory)
