@@ -139,10 +139,10 @@ def test_bits_per_weight_budget_end_to_end(tiny_checkpoint: Path, tmp_path: Path
 
 
 def test_fused_budget_gives_vllm_fused_shards_one_scheme(tiny_checkpoint: Path, tmp_path: Path) -> None:
-    """fused: true: each layer's q/k/v_proj and gate/up_proj take one scheme (vLLM loads them as
-    one module each)."""
+    """--fused (the budget's fused: true): each layer's q/k/v_proj and gate/up_proj take one scheme
+    (vLLM loads them as one module each)."""
     out = tmp_path / "out"
-    result = _run(_recipe(tmp_path, {"bits_per_weight": 5.5, "fused": True}), tiny_checkpoint, out)
+    result = _run(_recipe(tmp_path, {"bits_per_weight": 5.5}), tiny_checkpoint, out, "--fused")
     assert result.exit_code == 0, (result.output, result.exception)
     stage = json.loads((out / "report.json").read_text())["stages"][0]
     budget, modules = stage["stats"]["budget"], stage["stats"]["modules"]
@@ -276,6 +276,7 @@ def test_gptq_budget_writes_per_module_settings(tiny_checkpoint: Path, tmp_path:
 @pytest.mark.parametrize("flags, message", [
     (["--target-bpw", "4", "--format", "gguf"], "GGUF stores int3-sym-g64 in no block type"),
     (["--candidates", "asymmetric"], "give --target-bpw or --target-size too"),
+    (["--fused"], "--fused chooses a budget's schemes: give --target-bpw or --target-size too"),
     (["--target-bpw", "4", "--candidates", "asym"], "expected symmetric or asymmetric or gguf"),
 ])
 def test_bad_candidates_flags(tiny_checkpoint: Path, tmp_path: Path, flags: list[str], message: str) -> None:

@@ -10,7 +10,7 @@ import typer
 from optc.cli.app import (
     DatasetOpt, DeviceOpt, DtypeOpt, EvalDatasetOpt, ForceOverwriteOpt, FormatOpt, GateOpt, JsonOpt, ModelOpt,
     NoEvalOpt, NoSaveOpt, OutputOpt, OverwriteOpt, QuietOpt, ResumeOpt, SamplesOpt, SeedOpt, SeqlenOpt, SplitOpt,
-    StreamingOpt, TargetBpwOpt, TargetSizeOpt, TextColumnOpt, TrustOpt, WindowsOpt, CandidatesOpt,
+    StreamingOpt, TargetBpwOpt, TargetSizeOpt, TextColumnOpt, TrustOpt, WindowsOpt, CandidatesOpt, FusedOpt,
     FLAG, app, common_overrides, complete_recipe, completing, handle_errors, run_command,
 )
 from optc.errors import OptcError
@@ -30,10 +30,11 @@ def run(
     device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
     target_bpw: TargetBpwOpt = None, target_size: TargetSizeOpt = None, candidates: CandidatesOpt = None,
+    fused: FusedOpt = False,
 ) -> None:
     """Run a whole multi-stage recipe: compress, evaluate, export, report."""
     overrides = common_overrides(model, dataset, samples, seqlen, seed, eval_dataset, windows, fmt, streaming, text_column=text_column, split=split, dtype=dtype)
-    overrides.update(_budget_overrides(recipe, target_bpw, target_size, candidates))
+    overrides.update(_budget_overrides(recipe, target_bpw, target_size, candidates, fused))
     run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume, no_save=no_save, force_overwrite=force_overwrite)
 
 
@@ -74,21 +75,26 @@ def _first_stage(recipe: str, kind: str, flags: dict[str, Any], fields: tuple[st
 
 
 def _budget_overrides(recipe: str, target_bpw: float | None, target_size: str | None,
-                      candidates: str | None = None) -> dict[str, Any]:
-    """--target-bpw / --target-size / --candidates as the budget of the recipe's first quantize stage."""
+                      candidates: str | None = None, fused: bool = False) -> dict[str, Any]:
+    """--target-bpw / --target-size / --candidates / --fused as the budget of the recipe's first
+    quantize stage."""
     if target_bpw is not None and target_size is not None:
         raise OptcError("--target-bpw and --target-size exclude each other: a budget has one target")
     if candidates is not None and candidates not in CANDIDATE_SETS:
         raise OptcError(f"--candidates {candidates!r}: expected {' or '.join(CANDIDATE_SETS)}")
-    flags = {"--target-bpw": target_bpw, "--target-size": target_size, "--candidates": candidates}
+    flags = {"--target-bpw": target_bpw, "--target-size": target_size, "--candidates": candidates,
+             "--fused": fused or None}
     i = _first_stage(recipe, "quantize", flags)
     if i is None:
         return {}
-    if candidates is not None and target_bpw is None and target_size is None and not _has_budget(recipe, i):
-        raise OptcError("--candidates chooses a budget's schemes: give --target-bpw or --target-size too")
+    for flag in ("--candidates", "--fused"):
+        if flags[flag] is not None and target_bpw is None and target_size is None and not _has_budget(recipe, i):
+            raise OptcError(f"{flag} chooses a budget's schemes: give --target-bpw or --target-size too")
     out = {f"stages.{i}.budget.bits_per_weight": target_bpw, f"stages.{i}.budget.size": target_size}
     if candidates is not None:
         out[f"stages.{i}.budget.candidates"] = candidates
+    if fused:
+        out[f"stages.{i}.budget.fused"] = True
     return out
 
 
@@ -114,6 +120,7 @@ def quantize(
     device: DeviceOpt = "cpu", trust_remote_code: TrustOpt = False, as_json: JsonOpt = False,
     gate: GateOpt = None, quiet: QuietOpt = False, resume: ResumeOpt = False, streaming: StreamingOpt = False,
     target_bpw: TargetBpwOpt = None, target_size: TargetSizeOpt = None, candidates: CandidatesOpt = None,
+    fused: FusedOpt = False,
 ) -> None:
     """Quantize weights with a recipe (default: 4-bit round-to-nearest); --method, --bits and
     --group-size override its first quantize stage (e.g. gptq after a sparsegpt stage), and
@@ -125,7 +132,7 @@ def quantize(
     i = _first_stage(recipe, "quantize", {"--method": method, "--bits": bits, "--group-size": group_size})
     if i is not None:
         overrides.update({f"stages.{i}.type": method, f"stages.{i}.scheme.bits": bits, f"stages.{i}.scheme.group_size": group_size})
-    overrides.update(_budget_overrides(recipe, target_bpw, target_size, candidates))
+    overrides.update(_budget_overrides(recipe, target_bpw, target_size, candidates, fused))
     run_command(recipe, overrides, output, overwrite, device, trust_remote_code, no_eval, as_json, gates=gate, quiet=quiet, resume=resume, no_save=no_save, force_overwrite=force_overwrite)
 
 
