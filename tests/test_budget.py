@@ -247,7 +247,7 @@ def test_gptq_budget_writes_per_module_settings(tiny_checkpoint: Path, tmp_path:
     candidates = [{"bits": b, "group_size": 32} for b in (2, 4, 8)] + [None]
     out = tmp_path / "out"
     # q/k/v may differ (GPTQModel loads that; vLLM would not, and the export warns).
-    budget = {"bits_per_weight": 4.6, "candidates": candidates}
+    budget = {"bits_per_weight": 6, "candidates": candidates}
     result = _run(_recipe(tmp_path, budget, "gptq"), tiny_checkpoint, out)
     assert result.exit_code == 0, (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())
@@ -412,3 +412,31 @@ def test_mse_grid_step_is_one_over_grid() -> None:
     assert bool((shrink < 1 - 1e-6).any())  # outliers: some groups clip
     err = lambda p: float((fake_quantize(w, p) - w).abs().pow(2.4).sum())  # noqa: E731
     assert err(coarse) <= err(minmax)
+
+
+def test_fused_set_needs_one_candidate_every_shard_can_be_stored_on() -> None:
+    """With fused: true, a set whose shards the format stores on no common candidate is refused
+    before calibration (here a made-up format: 32-row weights only on int8, 96-row ones only on
+    int4; a tiny Llama's q_proj has 96 rows, its k/v_proj 32)."""
+    import dataclasses
+
+    from optc.errors import OptcError
+    from optc.export.formats import get_format
+    from optc.methods.budget import plan_budget
+    from optc.methods.gptq import GPTQStage
+    from optc.testing import tiny_model
+
+    def stored(scheme, n, k, float_bits, permuted):
+        if scheme is None:
+            return n * k * float_bits
+        allowed = {32: (8,), 96: (4,)}.get(n, (4, 8))
+        return n * k * scheme.bits + n * k // 2 if scheme.bits in allowed else None
+
+    fmt = dataclasses.replace(get_format("compressed-tensors"), name="rows", stored_bits=stored)
+    model = tiny_model("llama")
+    candidates = [{"bits": 4, "group_size": 32}, {"bits": 8, "group_size": 32}]  # no float: no way out
+    free = GPTQStage(type="gptq", budget={"bits_per_weight": 6, "candidates": candidates})
+    assert len(plan_budget(model, free, fmt, 16, {}).groups) == len(plan_budget(model, free, fmt, 16, {}).free)
+    fused = GPTQStage(type="gptq", budget={"bits_per_weight": 6, "candidates": candidates, "fused": True})
+    with pytest.raises(OptcError, match="fused: one scheme for them"):
+        plan_budget(model, fused, fmt, 16, {})

@@ -163,7 +163,7 @@ def warn_unfused(src: ExportSource, fmt: str) -> int:
         fused = next(f for f, shards in FUSED_SHARDS.items() if leaf in shards)
         log.warning("%s: %d sets of Linears that vLLM fuses into one module mix schemes (e.g. %s: %s): vLLM "
                     "needs one scheme for each %s and will not load this checkpoint; transformers and GPTQModel "
-                    "do (a budget's fused: true keeps them together)", fmt, len(mixed), parent,
+                    "do (a budget's fused: true, --fused, keeps them together)", fmt, len(mixed), parent,
                     ", ".join(f"{n.rpartition('.')[2]} {labels[n]}" for n in mixed[0]), fused)
     return len(mixed)
 

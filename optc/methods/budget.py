@@ -55,8 +55,8 @@ class BudgetPlan:
     spare_bits: int  # bits the target leaves for the free Linears
     fixed_bits: int  # bits of everything else the target counts
     weights: int  # decoder-Linear weights the average runs over (bits-per-weight targets)
-    # Sets of free Linears (indices into free) that get one scheme together: the shards vLLM fuses
-    # into one module when the target format's runtime needs that, else each Linear alone.
+    # Sets of free Linears (indices into free) that get one scheme together: with the budget's
+    # fused, the shards vLLM fuses into one module; else each Linear alone.
     groups: list[list[int]]
 
 
@@ -125,6 +125,10 @@ def plan_budget(model: torch.nn.Module, cfg: WeightQuantConfig, fmt: Format, flo
                         "every Linear fits on the largest; lower the target or add a larger candidate")
     index = {n: i for i, n in enumerate(free)}
     groups = [[index[n] for n in g] for g in fused_groups(free)] if budget.fused else [[i] for i in range(len(free))]
+    for g in groups:
+        if not any(all(sizes[i][c] is not None for i in g) for c in range(len(budget.candidates))):
+            raise OptcError(f"{stage}: {fmt.name} stores {', '.join(free[i] for i in g)} (fused: one scheme for "
+                            "them) on no one candidate")
     return BudgetPlan(free, sizes, target - fixed_bits, fixed_bits, weights, groups)
 
 
