@@ -247,7 +247,7 @@ def test_gptq_budget_writes_per_module_settings(tiny_checkpoint: Path, tmp_path:
     candidates = [{"bits": b, "group_size": 32} for b in (2, 4, 8)] + [None]
     out = tmp_path / "out"
     # q/k/v may differ (GPTQModel loads that; vLLM would not, and the export warns).
-    budget = {"bits_per_weight": 6, "candidates": candidates}
+    budget = {"bits_per_weight": 4.6, "candidates": candidates}
     result = _run(_recipe(tmp_path, budget, "gptq"), tiny_checkpoint, out)
     assert result.exit_code == 0, (result.output, result.exception)
     report = json.loads((out / "report.json").read_text())
