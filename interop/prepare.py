@@ -80,31 +80,30 @@ def main() -> None:
         ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
         reference["formats"][fmt] = {"optc_reader": ppl}
         print(f"{fmt}: optc reader perplexity {ppl:.4f}", flush=True)
-    for name, (fmt, extra) in ((n, m) for n, m in MIXES.items() if n in args.formats):
-        mixed = copy.deepcopy(loaded.model)
-        mix_ws = Workspace(mixed, loaded.tokenizer)
-        run_rtn(mix_ws, RTNStage(type="rtn", scheme={"bits": 4, "symmetric": True, "group_size": 64}, **extra))
+    def own_checkpoint(name: str, fmt: str, run) -> None:
+        """A copy of the float model quantized by ``run(workspace)``, written as ``fmt`` and scored
+        by optc's reader and in memory."""
+        quantized = copy.deepcopy(loaded.model)
+        own_ws = Workspace(quantized, loaded.tokenizer, calib)
+        run(own_ws)
         directory = args.out / name
         directory.mkdir(exist_ok=True)
-        export_checkpoint(ModelSource(mixed, loaded.tokenizer, mix_ws.qparams), fmt, directory, "2GB", dtype)
+        src = ModelSource(quantized, loaded.tokenizer, own_ws.qparams, input_quant_of(quantized))
+        export_checkpoint(src, fmt, directory, "2GB", dtype)
         ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
-        reference["formats"][name] = {"optc_reader": ppl, "in_memory": perplexity(mixed, tokens, args.seqlen, args.windows).perplexity}
+        reference["formats"][name] = {"optc_reader": ppl,
+                                      "in_memory": perplexity(quantized, tokens, args.seqlen, args.windows).perplexity}
         print(f"{name}: optc reader perplexity {ppl:.4f}", flush=True)
-        del mixed, mix_ws
+
     valid = DATA / "wikitext-2-valid.txt"
     calib = CalibrationConfig(dataset=str(valid) if valid.is_file() else "builtin", samples=16, seqlen=512)
+    for name, (fmt, extra) in ((n, m) for n, m in MIXES.items() if n in args.formats):
+        scheme = {"bits": 4, "symmetric": True, "group_size": 64}
+        own_checkpoint(name, fmt, lambda w, extra=extra: run_rtn(w, RTNStage(type="rtn", scheme=scheme, **extra)))
     for name, extra in ((n, e) for n, e in W8A8.items() if n in args.formats):
-        w8 = copy.deepcopy(loaded.model)
-        w8_ws = Workspace(w8, loaded.tokenizer, calib)
-        run_w8a8(w8_ws, W8A8Stage(type="w8a8", method="rtn", **extra))
-        directory = args.out / name
-        directory.mkdir(exist_ok=True)
-        src = ModelSource(w8, loaded.tokenizer, w8_ws.qparams, input_quant_of(w8))
-        export_checkpoint(src, "compressed-tensors", directory, "2GB", dtype)  # int-quantized: inputs are quantized
-        ppl = perplexity(load_model(str(directory)).model, tokens, args.seqlen, args.windows).perplexity
-        reference["formats"][name] = {"optc_reader": ppl, "in_memory": perplexity(w8, tokens, args.seqlen, args.windows).perplexity}
-        print(f"{name}: optc reader perplexity {ppl:.4f}", flush=True)
-        del w8, w8_ws
+        # int-quantized: the inputs are quantized too
+        own_checkpoint(name, "compressed-tensors",
+                       lambda w, extra=extra: run_w8a8(w, W8A8Stage(type="w8a8", method="rtn", **extra)))
     ids = torch.tensor(windows[0][:64])[None]
     with torch.no_grad():
         torch.save(model(ids).logits.float(), args.out / "reference_logits.pt")

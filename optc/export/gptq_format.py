@@ -58,7 +58,7 @@ from optc.export.source import (
     save_tokenizer,
     warn_unfused,
 )
-from optc.model.patterns import FUSED_SHARDS, fused_groups
+from optc.model.patterns import FUSED_SHARDS, fused_groups, fused_module
 
 if TYPE_CHECKING:
     import torch
@@ -113,15 +113,15 @@ def dynamic_config(settings: dict[str, Setting | None]) -> tuple[Setting, dict[s
     base = counts.most_common(1)[0][0]
     dynamic: dict[str, dict] = {}
     for group in fused_groups(settings):
-        parent, _, leaf = group[0].rpartition(".")
-        fused, shards = next(((f, s) for f, s in FUSED_SHARDS.items() if leaf in s), (None, ()))
-        agree = len({settings[n] for n in group}) == 1
-        if fused is not None and len(group) == len(shards) and agree:
-            keys = {rf"{re.escape(parent)}\.(?:{'|'.join((*shards, fused))})$": group}
+        fused = fused_module(group[0])
+        shards = FUSED_SHARDS.get(fused, ())
+        if fused is not None and len(group) == len(shards) and len({settings[n] for n in group}) == 1:
+            parent = group[0].rpartition(".")[0]
+            keys = {rf"{re.escape(parent)}\.(?:{'|'.join((*shards, fused))})$": group[0]}
         else:
-            keys = {re.escape(n) + "$": [n] for n in group}
-        for key, names in keys.items():
-            setting = settings[names[0]]
+            keys = {re.escape(n) + "$": n for n in group}
+        for key, name in keys.items():
+            setting = settings[name]
             if setting != base:
                 dynamic[("-:" if setting is None else "+:") + key] = {} if setting is None else _overrides(setting)
     return base, dynamic
@@ -187,7 +187,7 @@ def gptq_config(scheme: QuantScheme, group_size: int | None, desc_act: bool, v1:
     }
 
 
-def _module_groups(src: ExportSource, qparams: dict[str, QuantParams]) -> dict[str, int | None]:
+def _module_groups(qparams: dict[str, QuantParams]) -> dict[str, int | None]:
     """The group size each module is stored with. One scheme for all: one size that fits every
     K, so the config needs no ``dynamic`` map; a mix: each module's own, fit to its K."""
     from optc.export.packing import even_group_size
@@ -219,7 +219,7 @@ def write_gptq_source(src: ExportSource, directory: Path, *, max_shard_bytes: in
     for name, p in qparams.items():
         if p.scheme.bits not in GPTQ_BITS:
             raise OptcError(f"GPTQ holds {'/'.join(map(str, GPTQ_BITS))}-bit weights, not {p.scheme.bits}-bit ({name})")
-    groups = _module_groups(src, qparams)
+    groups = _module_groups(qparams)
     stored = set(src.keys())
 
     codes: dict[str, tuple[torch.Tensor, QuantParams]] = {}

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from optc.errors import OptcError
-from optc.model.patterns import FUSED_SHARDS, fused_groups
+from optc.model.patterns import fused_groups, fused_module
 
 if TYPE_CHECKING:
     import torch
@@ -159,8 +159,8 @@ def warn_unfused(src: ExportSource, fmt: str) -> int:
               for n in src.linears() if n != src.head}
     mixed = [g for g in fused_groups(labels) if len(g) > 1 and len({labels[n] for n in g}) > 1]
     if mixed:
-        parent, _, leaf = mixed[0][0].rpartition(".")
-        fused = next(f for f, shards in FUSED_SHARDS.items() if leaf in shards)
+        parent = mixed[0][0].rpartition(".")[0]
+        fused = fused_module(mixed[0][0])
         log.warning("%s: %d sets of Linears that vLLM fuses into one module mix schemes (e.g. %s: %s): vLLM "
                     "needs one scheme for each %s and will not load this checkpoint; transformers and GPTQModel "
                     "do (a budget's fused: true, --fused, keeps them together)", fmt, len(mixed), parent,

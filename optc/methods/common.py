@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -61,6 +61,20 @@ def activation_checkpointing(model: torch.nn.Module, enabled: bool = True) -> It
     finally:
         if on:
             getattr(model, f"{prefix}_checkpointing_disable")()
+
+
+@contextlib.contextmanager
+def frozen_parameters(params: Iterable[torch.nn.Parameter]) -> Iterator[None]:
+    """Within: those of ``params`` that take gradients do not (a backward neither computes nor
+    keeps them); they take them again after."""
+    frozen = [p for p in params if p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            p.requires_grad_(True)
 
 
 def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:

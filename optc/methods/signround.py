@@ -174,10 +174,13 @@ def check_trainable(step: LayerStep, names: list[str]) -> None:
     import torch
 
     from optc.errors import OptcError
+    from optc.methods.common import frozen_parameters
 
     b = step.batches[0]
     weights = {n: step.linears[n].weight for n in names}
-    with torch.enable_grad():
+    probed = {id(w) for w in weights.values()}
+    # Only the probed weights take a gradient: the layer's others (its norms) would keep one.
+    with torch.enable_grad(), frozen_parameters(q for q in step.layer.parameters() if id(q) not in probed):
         for w in weights.values():
             w.requires_grad_(True)
             w.grad = None
@@ -191,8 +194,7 @@ def check_trainable(step: LayerStep, names: list[str]) -> None:
         finally:
             for w in weights.values():
                 w.requires_grad_(False)
-            for q in step.layer.parameters():  # the probe's backward reached the norms' weights too
-                q.grad = None
+                w.grad = None
     if dead:
         raise OptcError(f"signround: the output of {step.name} carries no gradient to {dead[0]} (a kernel "
                         "without a backward?); use gptq or awq for this model")
@@ -311,7 +313,7 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
     from optc.compress.lora import kl_to
     from optc.compress.quant import fake_quantize
     from optc.memory import trim
-    from optc.methods.common import activation_checkpointing
+    from optc.methods.common import activation_checkpointing, frozen_parameters
     from optc.model.anatomy import set_weight_2d, weight_2d
 
     model = ws.model
@@ -345,9 +347,6 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
     # the weights, kept between steps since no optimizer clears them, and the head's the most
     # expensive weight gradient of the backward.
     learnt = {id(th) for th in thetas.values()}  # the parametrizations made them the model's too
-    frozen = [q for q in model.parameters() if q.requires_grad and id(q) not in learnt]
-    for q in frozen:
-        q.requires_grad_(False)
     gen = torch.Generator().manual_seed(cfg.seed)
     samples, steps, batch = ids.shape[0], cfg.e2e_steps, min(cfg.e2e_batch, ids.shape[0])
     amp = torch.autocast(ids.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
@@ -356,7 +355,7 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
     try:
         # The layers' activations for the backward are recomputed from each layer's input: a forward
         # more, and a whole model's activations (and its weights' low-precision copies) not held.
-        with activation_checkpointing(model):
+        with frozen_parameters(q for q in model.parameters() if id(q) not in learnt), activation_checkpointing(model):
             for t in range(steps):
                 for group in opt.param_groups:
                     group["lr"] = cfg.e2e_lr * (1 - t / steps)
@@ -387,8 +386,6 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
                 log.debug("signround end-to-end step %d: KL %.5g", t, total)
     finally:
         model.eval()
-        for q in frozen:
-            q.requires_grad_(True)
         with torch.no_grad():
             for n, m in modules.items():
                 parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)

@@ -20,12 +20,17 @@ def check_patterns(patterns: list[str], what: str) -> None:
             raise ValueError(f"{what} pattern {p!r} is not a valid regex: {exc}") from exc
 
 
+def fused_module(name: str) -> str | None:
+    """The module vLLM fuses Linear ``name`` into (``qkv_proj`` for a ``q_proj``), or None."""
+    leaf = name.rpartition(".")[2]
+    return next((fused for fused, shards in FUSED_SHARDS.items() if leaf in shards), None)
+
+
 def fused_groups(names: Iterable[str]) -> list[list[str]]:
     """``names`` grouped as vLLM fuses them (:data:`FUSED_SHARDS`: the shards of one module in one
     parent, those present), every other name alone; groups in order of their first name."""
     groups: dict[tuple[str, str], list[str]] = {}
     for name in names:
-        parent, _, leaf = name.rpartition(".")
-        fused = next((f for f, shards in FUSED_SHARDS.items() if leaf in shards), None)
-        groups.setdefault((parent, fused) if fused else (name, ""), []).append(name)
+        fused = fused_module(name)
+        groups.setdefault((name.rpartition(".")[0], fused) if fused else (name, ""), []).append(name)
     return list(groups.values())
