@@ -412,7 +412,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
     from optc.compress.quant import choose_qparams, group_view, quantize
     from optc.errors import OptcError
     from optc.memory import limit_fragmentation
-    from optc.methods.common import record_quantized, run_calibration, training_dtype
+    from optc.methods.common import frozen_parameters, record_quantized, run_calibration, training_dtype
     from optc.methods.gptq import solve_gptq
     from optc.model.anatomy import find_decoder_layers, weight_2d
 
@@ -496,9 +496,9 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
 
         rel = {n: n[len(step.name) + 1:] + ".weight" for n in names}
         conv = {n for n in names if isinstance(step.linears[n], Conv1D)}
-        frozen = [p for p in step.layer.parameters() if p.requires_grad]
-        for p in frozen:
-            p.requires_grad_(False)
+        # The layer's own parameters take no gradient while it trains (released after the loop).
+        frozen = contextlib.ExitStack()
+        frozen.enter_context(frozen_parameters(step.layer.parameters()))
         shared: dict = {}
         args = [_plain((b.args, b.kwargs), shared) for b in step.batches]
         del shared
@@ -619,8 +619,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
                 if t + 1 in checks:
                     check(t + 1)
         finally:
-            for p in frozen:
-                p.requires_grad_(True)
+            frozen.close()
         train_seconds = time.perf_counter() - t_train
         if grids is None:
             for n, st in states.items():
