@@ -311,7 +311,7 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
 
     from optc.compress import signround as sr
     from optc.compress.lora import kl_to
-    from optc.compress.quant import fake_quantize
+    from optc.compress.quant import dequantize, quantize
     from optc.memory import trim
     from optc.methods.common import activation_checkpointing, frozen_parameters
     from optc.model.anatomy import set_weight_2d, weight_2d
@@ -341,6 +341,9 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
         modules[n] = model.get_submodule(n)
         parametrize.register_parametrization(
             modules[n], "weight", _group_scales(thetas[n], p.scheme.group_size, isinstance(modules[n], Conv1D)))
+    # Registering checks each parametrization on its weight: a weight-sized temporary per Linear,
+    # left in the heap's fragments (a quarter of the model's float32 size on the default model).
+    trim()
     opt = torch.optim.Adam(list(thetas.values()), lr=cfg.e2e_lr)
     # Only the scale factors learn: the model's own parameters (the embedding and the tied head,
     # the norms, every Linear's fixed weight) would otherwise each take a gradient the size of
@@ -388,10 +391,14 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
         model.eval()
         with torch.no_grad():
             for n, m in modules.items():
-                parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
-                p = ws.qparams[n] = sr.scaled_params(ws.qparams[n], thetas[n])
+                # Removing with the parametrized value left in place kept a second copy of every
+                # weight resident (400 MB on the default model): the original codes are taken instead.
+                parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
+                start = ws.qparams[n]
+                p = ws.qparams[n] = sr.scaled_params(start, thetas[n])
                 # The codes times the new scales, bit for bit as every reader computes them.
-                set_weight_2d(m, fake_quantize(weight_2d(m).detach(), p))
+                w = weight_2d(m).detach()
+                set_weight_2d(m, dequantize(quantize(w, start), p, w.dtype))
                 m.weight.requires_grad_(False)
     seconds = time.perf_counter() - t0
     moved = float(torch.cat([th.detach().abs().flatten() for th in thetas.values()]).mean())
