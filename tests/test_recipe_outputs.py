@@ -62,7 +62,8 @@ def _recipe_file(name: str, tmp: Path) -> str:
     and the min-max grid at 4 bits symmetric, whose most negative weight of a group sits on the
     tie between the two lowest codes (ATEN_CPU_CAPABILITY=default, which moves the tiny model's
     random weights by a few ulps, moved 12 of 14). From round-to-nearest on the MSE grid all
-    three round pins moved by under 4e-7 under that setting and under MKL_CBWR=COMPATIBLE. So the pin holds the start's grid, the scale refit and the layout;
+    three round pins moved by under 4e-7 under that setting and under MKL_CBWR=COMPATIBLE. The
+    end-to-end scale tuning is left out for the same reason. So the pin holds the start's grid, the scale refit and the layout;
     the w4a16-gptq pin holds GPTQ, and tests/test_signround.py what the training itself must do."""
     data = yaml.safe_load(builtin_recipes()[name].read_text(encoding="utf-8"))
     recover = [s for s in data["stages"] if s["type"] == "recover"]
@@ -71,6 +72,9 @@ def _recipe_file(name: str, tmp: Path) -> str:
         return name
     for stage in rounding:
         stage.update(autocast="off", iters=10, lr=1e-9, start="rtn", observer="mse")
+        # The end-to-end phase's Adam steps move every scale by another CPU's rounding too.
+        stage.pop("e2e_steps", None)
+        stage.pop("e2e_batch", None)
     for stage in recover:
         stage.pop("max_minutes", None)
         stage.pop("tokens", None)

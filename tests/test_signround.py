@@ -108,9 +108,38 @@ def test_normalized_output_error_weighs_every_token_alike():
     big_o[:, 0] = big_t[:, 0] + 100 * (out[:, 0] - target[:, 0])
     assert torch.allclose(sr.output_error(out, target), torch.nn.functional.mse_loss(out, target))
     assert sr.output_error(big_o, big_t) > 1000 * sr.output_error(out, target)
-    assert torch.allclose(sr.output_error(big_o, big_t, True), sr.output_error(out, target, True), rtol=1e-5)
+    assert torch.allclose(sr.output_error(big_o, big_t, "normalized"), sr.output_error(out, target, "normalized"),
+                          rtol=1e-5)
     per_token = ((out - target).pow(2).mean(-1) / target.pow(2).mean(-1)).mean()
-    assert torch.allclose(sr.output_error(out, target, True), per_token)
+    assert torch.allclose(sr.output_error(out, target, "normalized"), per_token)
+
+
+def test_clipped_output_error_is_the_mse_but_for_the_sinks():
+    g = torch.Generator().manual_seed(9)
+    target = torch.randn(2, 7, 16, generator=g)
+    out = target + 0.01 * torch.randn(2, 7, 16, generator=g)
+    err = (out - target).pow(2).mean(-1)
+    scale = target.pow(2).mean(-1)
+    median = scale.median()
+    # Tokens up to the median's scale count as the MSE counts them.
+    low = scale <= median
+    weights = torch.where(low, torch.ones_like(scale), median / scale)
+    assert torch.allclose(sr.output_error(out, target, "clipped"), (err * weights).mean())
+    # A sink 1000 times larger with an error 1000 times larger (the same relative error) weighs
+    # as a token at the median's scale with that relative error, not a million times more.
+    big_t, big_o = target.clone(), out.clone()
+    big_t[:, 0] *= 1000
+    big_o[:, 0] = big_t[:, 0] + 1000 * (out[:, 0] - target[:, 0])
+    big_scale = big_t.pow(2).mean(-1)
+    big_err = (big_o - big_t).pow(2).mean(-1)
+    m = big_scale.median()
+    expected = torch.where(big_scale <= m, big_err, big_err / big_scale * m).mean()
+    got = sr.output_error(big_o, big_t, "clipped")
+    assert torch.allclose(got, expected)
+    assert got < 10 * sr.output_error(out, target, "clipped")
+    assert sr.output_error(big_o, big_t) > 1000 * sr.output_error(out, target)
+    with pytest.raises(ValueError, match="unknown loss"):
+        sr.output_error(out, target, "l1")
 
 
 def test_the_best_iterate_beats_round_to_nearest():
@@ -351,3 +380,16 @@ def test_picked_samples_are_batched_with_their_own_layer_inputs():
                                           (200, set(range(20, 201, 20))), (800, set(range(80, 801, 80)))])
 def test_best_iterate_checks_are_spread_to_the_last_step(iters: int, steps: set[int]) -> None:
     assert check_steps(iters) == steps
+
+
+def test_kl_and_grad_matches_autograd_through_kl_to():
+    from optc.compress.lora import kl_and_grad, kl_to
+
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(6, 50, generator=g, requires_grad=True)
+    t = torch.randn(6, 50, generator=g)
+    ref = kl_to(s.log_softmax(-1), t.log_softmax(-1), "sum")
+    ref.backward()
+    kl, grad = kl_and_grad(s.detach(), t)
+    assert abs(kl - ref.item()) < 1e-5 * max(1.0, abs(ref.item()))
+    assert torch.allclose(grad, s.grad, atol=1e-6)

@@ -96,6 +96,20 @@ def kl_to(s_logp: torch.Tensor, t_logp: torch.Tensor, reduction: str = "mean") -
     return kl.mean() if reduction == "mean" else kl.sum()
 
 
+def kl_and_grad(s_logits: torch.Tensor, t_logits: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """``KL(p_t || p_s)`` summed over the rows of ``s_logits`` and ``t_logits`` ([R, V]) and its
+    gradient in the student's logits, ``softmax(s) - p_t`` per row (float32), without an autograd
+    graph: autograd through ``log_softmax`` and :func:`kl_to` keeps about twice as many
+    vocabulary-wide tensors alive at once."""
+    with torch.no_grad():
+        t_logp = t_logits.float().log_softmax(-1)
+        p_t = t_logp.exp()
+        s_logp = s_logits.float().log_softmax(-1)
+        kl = float((p_t * t_logp.sub_(s_logp)).sum())
+        del t_logp
+        return kl, s_logp.exp_().sub_(p_t)
+
+
 def kd_loss(
     student: torch.Tensor, teacher: torch.Tensor, temperature: float = 1.0, s_logp: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -107,16 +107,27 @@ def init_rounding(
     )
 
 
-def output_error(out: torch.Tensor, target: torch.Tensor, normalized: bool = False) -> torch.Tensor:
-    """The loss of a block's output ``out`` against ``target`` ([..., T, d]): the mean squared
-    error (the paper's, Sec. 3.2), or each token's squared error over its target's mean square,
-    averaged over tokens: the error as the next normalization (RMSNorm or LayerNorm, which
-    divide each token by its own scale) passes it on, so tokens with large activations do not
-    outweigh the rest."""
-    if not normalized:
+def output_error(out: torch.Tensor, target: torch.Tensor, loss: str = "mse") -> torch.Tensor:
+    """The loss of a block's output ``out`` against ``target`` ([..., T, d]).
+
+    - ``mse``: the mean squared error (the paper's, Sec. 3.2);
+    - ``normalized``: each token's squared error over its target's mean square, averaged over
+      tokens: the error as the next normalization (RMSNorm or LayerNorm, which divide each token
+      by its own scale) passes it on, so tokens with large activations do not outweigh the rest;
+    - ``clipped``: the squared error of tokens up to the median token's mean square as ``mse``
+      counts it, and each token above that (the attention sinks' massive activations) over its
+      mean square times the median's: its error as the next normalization passes it on, at an
+      ordinary token's scale."""
+    if loss == "mse":
         return torch.nn.functional.mse_loss(out.float(), target.float())
     t = target.float()
-    return ((out.float() - t).pow(2).mean(-1) / t.pow(2).mean(-1).clamp_min(1e-12)).mean()
+    err = (out.float() - t).pow(2).mean(-1)
+    scale = t.pow(2).mean(-1).clamp_min(1e-12)
+    if loss == "normalized":
+        return (err / scale).mean()
+    if loss == "clipped":
+        return (err / (scale / scale.median()).clamp_min(1.0)).mean()
+    raise ValueError(f"unknown loss {loss!r}")
 
 
 def _round_ste(x: torch.Tensor) -> torch.Tensor:

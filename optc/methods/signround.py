@@ -43,8 +43,10 @@ PASS_SAMPLES = 2
 # faster (8 x 512 tokens), so it pays from about 350 steps.
 COMPILE_MIN_STEPS = 500
 
-# Tokens per chunk of the end-to-end loss: the vocabulary-wide logits of a whole sequence (and
-# their softmax and gradient) would be the largest tensors of the run.
+# Tokens per chunk of the end-to-end loss (over a pass's sequences): the vocabulary-wide logits
+# of a whole sequence (and their softmax and gradient) would be the largest tensors of the run.
+# Chunks of 32 tokens raised a full run's peak by 55 MiB on the default model: their logits fall
+# below the heap's 8 MiB threshold and fragment it, where 128 tokens' get pages of their own.
 E2E_CHUNK = 128
 
 # Samples of one end-to-end forward and backward (every layer's activations are recomputed in the
@@ -69,9 +71,11 @@ class SignRoundStage(WeightQuantConfig):
     inputs: Literal["quantized", "float"] = Field(
         "quantized", description="the quantized layer reads the quantized model's activations (AutoRound's setting) "
         "or the float model's; the target is always the float layer on the float model's activations")
-    loss: Literal["mse", "normalized"] = Field(
-        "mse", description="the layer output's mean squared error (AutoRound's), or each token's squared error over "
-        "its target's mean square (the error the next normalization sees)")
+    loss: Literal["mse", "normalized", "clipped"] = Field(
+        "mse", description="the layer output's mean squared error (AutoRound's); each token's squared error over "
+        "its target's mean square (the error the next normalization sees); or clipped: the squared error, with "
+        "the tokens whose mean square exceeds the median token's (attention sinks) weighed as normalized at the "
+        "median's scale")
     observer: Literal["minmax", "mse"] = Field(
         "mse", description="the start grid: min-max, or the activation-weighted MSE search GPTQ uses (start: rtn, "
         "observer: minmax is AutoRound's start)")
@@ -310,7 +314,7 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
     from transformers.pytorch_utils import Conv1D
 
     from optc.compress import signround as sr
-    from optc.compress.lora import kl_to
+    from optc.compress.lora import kl_and_grad
     from optc.compress.quant import dequantize, quantize
     from optc.memory import trim
     from optc.methods.common import activation_checkpointing, frozen_parameters
@@ -339,11 +343,12 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
         p = ws.qparams[n]
         thetas[n] = torch.nn.Parameter(torch.zeros(p.scale.shape, dtype=torch.float32, device=p.scale.device))
         modules[n] = model.get_submodule(n)
+        # unsafe: the parametrization keeps the weight's shape and dtype, and the check it skips
+        # computes it once per Linear, temporaries left in the heap's fragments (200 MB on the
+        # default model, at the start of the phase, the peak of a whole run).
         parametrize.register_parametrization(
-            modules[n], "weight", _group_scales(thetas[n], p.scheme.group_size, isinstance(modules[n], Conv1D)))
-    # Registering checks each parametrization on its weight: a weight-sized temporary per Linear,
-    # left in the heap's fragments (a quarter of the model's float32 size on the default model).
-    trim()
+            modules[n], "weight", _group_scales(thetas[n], p.scheme.group_size, isinstance(modules[n], Conv1D)),
+            unsafe=True)
     opt = torch.optim.Adam(list(thetas.values()), lr=cfg.e2e_lr)
     # Only the scale factors learn: the model's own parameters (the embedding and the tied head,
     # the norms, every Linear's fixed weight) would otherwise each take a gradient the size of
@@ -370,15 +375,20 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
                         with amp:
                             h = decoder(input_ids=ids[j], use_cache=False).last_hidden_state
                         hd = h.detach().requires_grad_(True)
-                        for c in range(0, h.shape[1], E2E_CHUNK):
+                        # The forward's and then the loss's freed temporaries stay in the heap's
+                        # fragments until trimmed, and the backward's would pile on top of them.
+                        trim()
+                        rows, t_rows = hd.flatten(0, 1), teacher[j].flatten(0, 1)
+                        for c in range(0, rows.shape[0], E2E_CHUNK):
                             with amp:
-                                s_logits = head(hd[:, c : c + E2E_CHUNK])
+                                s_logits = head(rows[c : c + E2E_CHUNK])
                                 with torch.no_grad():
-                                    t_logits = head(norm(teacher[j, c : c + E2E_CHUNK].to(h.dtype)))
-                            kl = kl_to(s_logits.float().log_softmax(-1), t_logits.float().log_softmax(-1),
-                                       "sum") / (h.shape[1] * batch)
-                            kl.backward()
-                            total += kl.item()
+                                    t_logits = head(norm(t_rows[c : c + E2E_CHUNK].to(h.dtype)))
+                            kl, grad = kl_and_grad(s_logits, t_logits)
+                            del t_logits
+                            s_logits.backward(grad.div_(h.shape[1] * batch).to(s_logits.dtype))
+                            total += kl / (h.shape[1] * batch)
+                        trim()
                         h.backward(hd.grad)
                         # A pass's few-MB temporaries (weights, their gradients) stay in the heap's
                         # fragments otherwise: 300 MB more stayed resident between passes on the default model.
@@ -578,7 +588,7 @@ def run_signround(ws: Workspace, cfg: SignRoundStage) -> dict:
                     with amp if amp is not None else contextlib.nullcontext():
                         out = forward(backward, overrides, (x.to(layer_dtype), *a), kw)
                     out = out[0] if isinstance(out, tuple) else out
-                    loss = sr.output_error(out, target, cfg.loss == "normalized") * (share * len(chunk) / len(pick))
+                    loss = sr.output_error(out, target, cfg.loss) * (share * len(chunk) / len(pick))
                     if backward:
                         loss.backward()
                     total += loss.detach().item()
