@@ -376,9 +376,6 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
                         with amp:
                             h = decoder(input_ids=ids[j], use_cache=False).last_hidden_state
                         hd = h.detach().requires_grad_(True)
-                        # The forward's and then the loss's freed temporaries stay in the heap's
-                        # fragments until trimmed, and the backward's would pile on top of them.
-                        trim()
                         rows, t_rows = hd.flatten(0, 1), teacher[j].flatten(0, 1)
                         for c in range(0, rows.shape[0], E2E_CHUNK):
                             with amp:
@@ -389,7 +386,6 @@ def tune_scales(ws: Workspace, cfg: SignRoundStage, names: list[str], float_out:
                             del t_logits
                             s_logits.backward(grad.div_(h.shape[1] * batch).to(s_logits.dtype))
                             total += kl / (h.shape[1] * batch)
-                        trim()
                         h.backward(hd.grad)
                         # A pass's few-MB temporaries (weights, their gradients) stay in the heap's
                         # fragments otherwise: 300 MB more stayed resident between passes on the default model.
